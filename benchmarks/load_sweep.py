@@ -54,9 +54,9 @@ from names import names_of
 from provenance import provenance  # benchmarks/, first on sys.path
 from vllm_probe import add_vllm_python
 
-from draftsmith.engines import require_suffix_decoding
+from draftsmith.engines import NGRAM, SUFFIX, require_suffix_decoding
 from draftsmith.errors import UserError
-from draftsmith.export.free_methods import NGRAM, SUFFIX, ngram_config, suffix_config
+from draftsmith.export.free_methods import ngram_config, suffix_config
 from draftsmith.export.sweep import Load, read_rows, round_robin, served_at
 from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, plot, summarize
 from draftsmith.export.verify import EngineSession

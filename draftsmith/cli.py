@@ -25,6 +25,7 @@ interrupted with Ctrl-C; `monitor check` adds its outcomes 10, 11, 12, 13.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
 import os
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NoReturn
 
-from draftsmith.errors import EXIT_USER_ERROR, Preempted, run_cli
+from draftsmith.errors import EXIT_USER_ERROR, Preempted, UserError, run_cli
 
 # command -> (module, function taking the arguments after the command)
 COMMANDS = {
@@ -293,3 +294,10 @@ def installed_usage(usage: str, module: str, command: str) -> str:
         return usage
     checkout = "python -m " + module.removeprefix("draftsmith.").removesuffix(".__main__")
     return usage.replace(f"{checkout} ", f"draftsmith {command} ")
+
+
+class OneLineArguments(argparse.ArgumentParser):
+    """argparse's refusals as every command's: one line, exit 2 (its usage block is --help's)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message} ({self.prog} --help lists the arguments)")

@@ -73,6 +73,8 @@ SERVING_ENGINES = {
     ),
 }
 ENGINE_NAMES = {key: engine.name for key, engine in SERVING_ENGINES.items()}  # export.engines value -> its name
+# export.vllm_format's values, the layouts of a vLLM folder: the first (speculators' config) is the default
+VLLM_FORMATS = ("speculators", "native")
 
 
 def vllm_python(setting: Optional[str], key: str) -> str:
@@ -136,6 +138,9 @@ def torchvision_loads(python: str, key: str) -> bool:
     return run_python(python, key, "import torch, torchvision; torch.ops.torchvision.nms").returncode == 0
 
 
+# the free methods (no training, no draft forward): vLLM's method names for them, and the eval's rows of them
+NGRAM = "ngram"
+SUFFIX = "suffix"
 # vLLM's suffix decoding (`{"method": "suffix"}`) and draftsmith's suffix baseline run arctic-inference's
 # suffix trees, a package that ships as a source distribution only: built in the environment that imports
 # it, without build isolation (with it, pip pulls a CUDA torch to build against), with that environment's

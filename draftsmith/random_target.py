@@ -34,7 +34,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from safetensors import SafetensorError
@@ -230,23 +230,9 @@ def write_random_target(
     return directory
 
 
-def main(argv: Optional[list[str]] = None) -> NoReturn:
-    """`python -m draftsmith.random_target ...` from a process that has imported this module, under run_cli as every
-    command: a refusal, a full disk or a stop is one line and its exit code (docs/faults.md). `python -m` itself runs
-    `write_command` so before this module's imports (its `__main__` block at the top)."""
-    run_cli(write_command, argv)
-
-
-class OneLineArguments(argparse.ArgumentParser):
-    """argparse's refusals as every command's: one line, exit 2 (its usage block is --help's)."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UserError(f"{message} (python -m draftsmith.random_target --help lists the arguments)")
-
-
 def write_command(argv: list[str]) -> None:
     """Write the target the arguments name into DIRECTORY, whole or not at all (its path alone on stdout)."""
-    from draftsmith.cli import configure_logging
+    from draftsmith.cli import OneLineArguments, configure_logging
 
     configure_logging()
     parser = OneLineArguments(prog="python -m draftsmith.random_target", description=__doc__.split("\n\n")[0])

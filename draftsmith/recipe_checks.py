@@ -14,7 +14,7 @@ from typing import Optional
 import numpy
 from omegaconf import OmegaConf
 
-from draftsmith.engines import SERVING_ENGINES, arctic_build, suffix_decoding_installed
+from draftsmith.engines import SERVING_ENGINES, VLLM_FORMATS, arctic_build, suffix_decoding_installed
 from draftsmith.errors import UserError
 from draftsmith.files import cache_root
 from draftsmith.outputs import check_output_dir, loops
@@ -171,9 +171,6 @@ def check_eval(eval_section) -> None:
         bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", eval_section.device)),
         f"eval.device={eval_section.device!r} is not auto, cpu, cuda or cuda:N",
     )
-
-
-VLLM_FORMATS = ("speculators", "native")
 
 
 def check_export(export) -> None:

@@ -10,6 +10,8 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
+from draftsmith.engines import VLLM_FORMATS
+
 
 @dataclass
 class TargetSection:
@@ -275,7 +277,7 @@ class ExportSection:
     engines: List[str] = field(default_factory=lambda: ["vllm"])  # vllm | sglang
     # the vllm folder's layout: speculators | native (EAGLE-3 only: vLLM's LlamaForCausalLMEagle3 config;
     # every other kind has one vLLM layout and refuses native)
-    vllm_format: str = "speculators"
+    vllm_format: str = VLLM_FORMATS[0]
     output: Optional[str] = None  # default <output_dir>/export; one folder per engine inside
     # γ written into configs and serving commands; default eval.num_speculative_tokens
     num_speculative_tokens: Optional[int] = None

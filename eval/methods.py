@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from draftsmith.engines import ENGINE_NAMES, SuffixSettings, suffix_decoding_installed
+from draftsmith.engines import ENGINE_NAMES, NGRAM, SUFFIX, SuffixSettings, suffix_decoding_installed
 from draftsmith.errors import UserError
 from draftsmith.eval.counts import Generation
 from draftsmith.eval.loop import generate_batch
@@ -130,7 +130,7 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
     if cfg.eval.ngram_baseline:
         ngram_max = int(cfg.eval.ngram_max)
         info = {"gamma": gamma, "ngram_max": ngram_max, "served_by": "vLLM (method ngram: prompt lookup)"}
-        methods.append(Method("ngram", "baseline", partial(NGramDrafter, ngram_max), gamma, info=info))
+        methods.append(Method(NGRAM, "baseline", partial(NGramDrafter, ngram_max), gamma, info=info))
     if suffix_baseline_runs(cfg.eval.suffix_baseline):
         settings = SuffixSettings()
         trees = SuffixTrees(settings)
@@ -141,7 +141,7 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
         }
         methods.append(
             Method(
-                "suffix",
+                SUFFIX,
                 "baseline",
                 partial(SuffixDrafter, trees),
                 settings.max_tree_depth,
@@ -161,9 +161,7 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
     return methods
 
 
-def serving(
-    drafter, target, vllm_format: str = "speculators", temperature: float = 0.0, gamma: Optional[int] = None
-) -> dict[str, dict[str, Any]]:
+def serving(drafter, target, vllm_format: str, temperature: float, gamma: Optional[int]) -> dict[str, dict[str, Any]]:
     """Eval method (chain, tree) -> what the report says serves it: `served_by`, the engines the kind
     names for it (SERVED_BY) whose export does not refuse this drafter for this target (the export's own
     check, formats.Exporter.refuse: the report never names an engine whose export draftsmith refuses),

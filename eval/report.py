@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.data_prep.dataset import require_context, target_context
 from draftsmith.data_prep.overlap import PromptCount, prompts_in_train
-from draftsmith.engines import suffix_decoding_installed
+from draftsmith.engines import SUFFIX, suffix_decoding_installed
 from draftsmith.errors import NotLossless, UserError
 from draftsmith.eval.counts import Counts, ratio, report_row, summed
 from draftsmith.eval.loop import generate
@@ -392,7 +392,7 @@ def assemble(
         "versions": versions(),
         "methods": {m.name: {"group": m.group, "depth": m.depth, **m.info} for m in methods},
         # a free baseline the recipe left to the environment, and why this one did not run it
-        "not_measured": {"suffix": f"arctic-inference is not installed ({INSTALL})"}
+        "not_measured": {SUFFIX: f"arctic-inference is not installed ({INSTALL})"}
         if cfg.eval.suffix_baseline is None and not suffix_decoding_installed()
         else {},
         "lossless_check": (

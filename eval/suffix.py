@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from typing import Optional
 
-from draftsmith.engines import SuffixSettings, arctic_build, suffix_decoding_installed
+from draftsmith.engines import SuffixSettings, arctic_build
 from draftsmith.errors import UserError
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
 from draftsmith.target import FeatureRequest
@@ -26,8 +26,6 @@ class SuffixTrees:
     answers an earlier pass wrote for the same prompts)."""
 
     def __init__(self, settings: SuffixSettings = SuffixSettings()):
-        if not suffix_decoding_installed():
-            raise UserError(f"suffix decoding needs arctic-inference, which is not installed ({INSTALL})")
         self.settings = settings
         self.request_ids = itertools.count()
         self.forget()

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from huggingface_hub import ModelCard, ModelCardData
 from omegaconf import OmegaConf
 
-from draftsmith.engines import SERVING_ENGINES
+from draftsmith.engines import NGRAM, SERVING_ENGINES
 from draftsmith.eval.partings import NEAR_TIE_UNITS
 from draftsmith.formats.repo import TRUST_REMOTE_CODE_FLAG, EngineRepo, vllm_cpu_serve, vllm_serve_flags
 from draftsmith.formats.versions import CPU_BUILD
@@ -205,7 +205,7 @@ def acceptance_section(report: Optional[dict[str, Any]]) -> list[str]:
         "|---|---|---|---:|---:|---|:---:|",
     ]
     for domain in report["domains"]:
-        rows = {**report["domains"][domain], **{k: v for k, v in report["baselines"][domain].items() if k == "ngram"}}
+        rows = {**report["domains"][domain], **{k: v for k, v in report["baselines"][domain].items() if k == NGRAM}}
         for method, row in rows.items():
             per_position = " / ".join("–" if p is None else f"{p:.2f}" for p in row["per_position"]) or "–"
             lossless = {True: "yes", False: "**no**", None: "n/a"}[row["lossless"]]

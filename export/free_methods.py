@@ -7,11 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from typing import Any
 
-from draftsmith.engines import SuffixSettings
+from draftsmith.engines import NGRAM, SUFFIX, SuffixSettings
 from draftsmith.formats.repo import VLLM_PINNED
-
-NGRAM = "ngram"
-SUFFIX = "suffix"
 
 
 def ngram_config(gamma: int) -> dict[str, Any]:

@@ -66,8 +66,9 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
+from draftsmith.engines import NGRAM, SUFFIX
 from draftsmith.errors import EngineUnavailable, ExportCheckFailed, UserError
-from draftsmith.export.free_methods import NGRAM, SUFFIX, ngram_config, suffix_config
+from draftsmith.export.free_methods import ngram_config, suffix_config
 from draftsmith.export.sweep_checks import (
     require_own_output,
     require_proposes,
@@ -300,8 +301,8 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
         summary["settings"] = {
             "concurrency": levels,
             "gammas": gammas,
-            "ngram": bool(settings.ngram),
-            "suffix": "prompt trees only (no answers cached across requests)"
+            NGRAM: bool(settings.ngram),
+            SUFFIX: "prompt trees only (no answers cached across requests)"
             if suffix
             else ("off" if settings.suffix is False else "not measured: export.vllm_python has no arctic-inference"),
             "new_tokens": load.new_tokens,

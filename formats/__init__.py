@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from draftsmith.engines import VLLM_FORMATS
 from draftsmith.errors import UserError
 from draftsmith.formats.repo import EngineRepo, TargetInfo, check_vllm_path, image_token_overrides
 from draftsmith.formats.versions import EVERY_BUILD, Releases, require_language_model_shares, unloadable_target
@@ -35,7 +36,7 @@ class Source:
     checkpoint: Path
     target_model: torch.nn.Module
     target: TargetInfo
-    vllm_format: str = "speculators"  # export.vllm_format
+    vllm_format: str = VLLM_FORMATS[0]  # export.vllm_format
 
 
 class Exporter:
@@ -43,7 +44,7 @@ class Exporter:
 
     kinds: ClassVar[tuple[str, ...]]  # the kinds it writes; `read` makes the first (formats/folder.py start_kind)
     sglang_reason: ClassVar[str] = ""  # why SGLang cannot serve these kinds ("" = it can)
-    vllm_formats: ClassVar[tuple[str, ...]] = ("speculators",)  # export.vllm_format values it writes
+    vllm_formats: ClassVar[tuple[str, ...]] = VLLM_FORMATS[:1]  # export.vllm_format values it writes
     weights_dirs: ClassVar[tuple[str, ...]] = ()  # subfolders of an engine folder that hold its drafter
     vllm_method: ClassVar[str]  # vLLM's speculative method for these kinds' folders
     # whether vLLM 0.32 may read another method than vllm_method from the served path or repo id (it picks the method
@@ -84,7 +85,7 @@ class Exporter:
                 f"export.vllm_format={vllm_format}: {kind} has one vLLM layout; leave export.vllm_format unset"
             )
 
-    def refuse(self, engine: str, drafter: Drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
+    def refuse(self, engine: str, drafter: Drafter, target: TargetInfo, vllm_format: str) -> None:
         """Raise the export's one-line UserError for why `engine` cannot serve this drafter for this target,
         read from their configs alone (no tensor is built): `build` asks it before it builds anything, and
         the eval's report names only the engines it passes (`refusal`). An exporter adds its kinds' checks."""
@@ -98,9 +99,7 @@ class Exporter:
             sharing_nothing = sorted(kind for kind, other in EXPORTERS.items() if other.vllm_shares_embedding is None)
             require_language_model_shares(target.config, self.vllm_method, self.vllm_shares_embedding, sharing_nothing)
 
-    def refusal(
-        self, engine: str, drafter: Drafter, target: TargetInfo, vllm_format: str = "speculators"
-    ) -> Optional[str]:
+    def refusal(self, engine: str, drafter: Drafter, target: TargetInfo, vllm_format: str) -> Optional[str]:
         """`refuse`'s line for the vLLM layout `vllm_format`, or None where `engine` serves the drafter."""
         try:
             self.refuse(engine, drafter, target, vllm_format)
@@ -113,6 +112,8 @@ class Exporter:
         if engine == "vllm" and self.vllm_method_from_name:
             check_vllm_path(output, source.drafter.TITLE)
         repo = getattr(self, engine)(source, gamma, output)
+        if engine == "vllm":  # one name for it: what the checks ask of the engine is what its folder is served as
+            repo.method = self.vllm_method
         if engine == "vllm" and self.vllm_reads_image_token:
             repo.target_overrides = image_token_overrides(source.target.shape.name_or_path) | repo.target_overrides
         return repo
@@ -148,9 +149,7 @@ def register(cls: type[Exporter]) -> type[Exporter]:
     return cls
 
 
-def refusals(
-    drafter: Drafter, target: TargetInfo, vllm_format: str = "speculators"
-) -> dict[str, dict[str, Optional[str]]]:
+def refusals(drafter: Drafter, target: TargetInfo, vllm_format: str) -> dict[str, dict[str, Optional[str]]]:
     """Eval method (chain, tree) -> each engine the drafter's kind names for it (Drafter.SERVED_BY) -> the line its
     export refuses this drafter for this target with (Exporter.refuse), or None where it serves it. A kind that
     names no engine (draftsmith's eval only) needs no export format: its eval runs, only its export is refused."""

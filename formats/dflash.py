@@ -166,7 +166,7 @@ class DFlashExporter(Exporter):
     vllm_shares_embedding = CPU_BUILD  # V1's proposer shares it; GPU builds' V2 loader takes a bare decoder as it is
     sglang_reason = "draftsmith's DFlash export has been checked against vLLM's loader only; export it for vllm"
 
-    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
+    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str) -> None:
         super().refuse(engine, drafter, target, vllm_format)  # SGLang: refused there
         kind = drafter.TITLE  # DFlash, or DSpark on DFlash's backbone (formats/dspark.py)
         require_vllm_state_capture(target, kind)
@@ -191,8 +191,9 @@ class DFlashExporter(Exporter):
 
     def layer_config(self, drafter) -> dict[str, Any]:
         """The draft layers' config under vLLM's names; layers of a family vLLM's layout does not build refused."""
-        # vLLM builds Laguna layers for DFlash only (a DSpark of them is refused at the recipe: ENGINE_MODELS)
-        if dflash_laguna.has_laguna_layers(drafter) and drafter.type == DFlashExporter.kinds[0]:
+        # vLLM builds Laguna layers for DFlash only: a DSpark of them is refused by its config's check (ENGINE_MODELS),
+        # at the recipe and as its checkpoint loads
+        if dflash_laguna.has_laguna_layers(drafter):
             return dflash_laguna.layer_config(drafter)
         return draft_layer_config(drafter, FAMILIES, "vLLM", drafter.TITLE)
 
@@ -202,7 +203,7 @@ class DFlashExporter(Exporter):
         layer = self.layer_config(drafter)
         config, expected, conventions = backbone_parts(layer, settings)
         if layer["model_type"] == dflash_laguna.FAMILY:
-            repo = dflash_laguna.layout(drafter, config, expected, conventions, self.vllm_method)
+            repo = dflash_laguna.layout(drafter, config, expected, conventions)
             repo.cpu_build_limit = context_key_norms_limit(drafter) or repo.cpu_build_limit
             return repo
         windows = window_config(drafter)
@@ -230,7 +231,7 @@ class DFlashExporter(Exporter):
             names = ", ".join(f"{theirs} (vLLM's {ours})" for theirs, ours in ENCODER_NAMES.items())
             conventions["layout"] = f"the released encoder layout: settings at the config's top, {names}"
         return EngineRepo(
-            "vllm", config, state, expected, VLLM_SERVE, conventions, method="dflash",
+            "vllm", config, state, expected, VLLM_SERVE, conventions,
             cpu_build_limit=context_key_norms_limit(drafter) or mixed_kinds_limit(drafter),
         )  # fmt: skip
 

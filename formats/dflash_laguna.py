@@ -96,8 +96,8 @@ def context_input_norms_limit(drafter) -> Optional[str]:
     )
 
 
-def layout(drafter, config: dict[str, Any], expected: dict[str, tuple], conventions: dict[str, Any], method: str):
-    """The folder (served as vLLM's `method`) for the backbone's `config`, `expected` tensors and `conventions`
+def layout(drafter, config: dict[str, Any], expected: dict[str, tuple], conventions: dict[str, Any]):
+    """The vLLM folder for the backbone's `config`, `expected` tensors and `conventions`
     (formats/dflash.py `backbone_parts` of `layer_config`), with the Laguna layers and the tapped states' norms."""
     settings, layer = drafter.config, layer_config(drafter)
     hidden, head_dim, width = layer["hidden_size"], layer["head_dim"], layer["intermediate_size"]
@@ -132,5 +132,5 @@ def layout(drafter, config: dict[str, Any], expected: dict[str, tuple], conventi
     }
     return EngineRepo(
         "vllm", config, fused(drafter.state_dict(), settings.num_layers), expected, VLLM_SERVE, conventions,
-        method=method, cpu_build_limit=context_input_norms_limit(drafter),
+        cpu_build_limit=context_input_norms_limit(drafter),
     )  # fmt: skip

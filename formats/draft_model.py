@@ -93,7 +93,7 @@ class DraftModelExporter(Exporter):
     def releases(self, drafter_config: Mapping[str, Any], gamma: Optional[int] = None) -> Releases:
         return PARALLEL_DRAFTING_RELEASES if drafter_config.get("parallel_drafting") else self.vllm_releases
 
-    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
+    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str) -> None:
         super().refuse(engine, drafter, target, vllm_format)
         if engine == "sglang" and drafter.config.parallel_drafting:
             raise UserError(
@@ -139,7 +139,7 @@ class DraftModelExporter(Exporter):
         )
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        return self.repo(source, "vllm", VLLM_SERVE, "draft_model")
+        return self.repo(source, "vllm", VLLM_SERVE, self.vllm_method)
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         return replace(self.repo(source, "sglang", SGLANG_SERVE, "STANDALONE"), revision_flag=SGLANG_REVISION_FLAG)

@@ -105,7 +105,7 @@ class DSparkExporter(DFlashExporter):
         # whatever its value so that the served config says whether the drafts are cut
         options = {"enable_adaptive_verification": settings.adaptive_verification}
         return EngineRepo(
-            "vllm", config, repo.tensors, expected, repo.serve, conventions, method="dspark", options=options,
+            "vllm", config, repo.tensors, expected, repo.serve, conventions, options=options,
             cpu_build_limit=CPU_BUILD_LIMIT,
         )  # fmt: skip
 

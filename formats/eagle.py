@@ -68,7 +68,7 @@ class EagleExporter(Exporter):
     kinds = ("eagle",)
     vllm_method = "eagle"
 
-    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
+    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str) -> None:
         super().refuse(engine, drafter, target, vllm_format)
         if engine == "vllm" and drafter.config.fc_bias:
             raise UserError(
@@ -98,9 +98,7 @@ class EagleExporter(Exporter):
             ),
             "shared": "embed_tokens and lm_head are the target's (not in the folder)",
         }
-        return EngineRepo(
-            "vllm", config, source.drafter.state_dict(), expected, VLLM_SERVE, conventions, method="eagle"
-        )
+        return EngineRepo("vllm", config, source.drafter.state_dict(), expected, VLLM_SERVE, conventions)
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         config = self.config(source, "LlamaForCausalLMEagle", "SGLang")

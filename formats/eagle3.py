@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from draftsmith.engines import VLLM_FORMATS
 from draftsmith.errors import UserError
 from draftsmith.families import layer_window
 from draftsmith.formats import Exporter, Source, register
@@ -182,9 +183,7 @@ class Speculators(Layout):
         if self.parallel:
             tensors["mask_hidden"] = tensors["mask_hidden"].view(1, 1, -1)
         options = {"parallel_drafting": True} if self.parallel else {}
-        return EngineRepo(
-            self.engine, config, tensors, expected, VLLM_SERVE, conventions, method="eagle3", options=options
-        )
+        return EngineRepo(self.engine, config, tensors, expected, VLLM_SERVE, conventions, options=options)
 
     def recognises(self, config: dict[str, Any]) -> bool:
         return config.get("speculators_model_type") == self.model_type
@@ -287,7 +286,6 @@ class Native(Layout):
             as_midlayer(expected),
             VLLM_SERVE,
             conventions,
-            method="eagle3",
         )
 
     def recognises(self, config: dict[str, Any]) -> bool:
@@ -316,12 +314,12 @@ LAYOUTS = (SPECULATORS, PEAGLE, NATIVE, SGLANG)
 class Eagle3Exporter(Exporter):
     kinds = ("eagle3",)
     vllm_method = "eagle3"
-    vllm_formats = ("speculators", "native")
+    vllm_formats = VLLM_FORMATS
 
     def releases(self, drafter_config: Mapping[str, Any], gamma: Optional[int] = None) -> Releases:
         return PARALLEL_DRAFTING_RELEASES if drafter_config.get("parallel_drafting") else self.vllm_releases
 
-    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
+    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str) -> None:
         super().refuse(engine, drafter, target, vllm_format)
         if engine == "vllm":
             require_vllm_state_capture(target, "P-EAGLE" if drafter.config.parallel_drafting else "EAGLE-3")

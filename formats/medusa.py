@@ -92,7 +92,7 @@ class MedusaExporter(Exporter):
                 "and in vLLM"
             ),
         }
-        return EngineRepo("vllm", config, tensors, medusa_expected(config), VLLM_SERVE, conventions, method="medusa")
+        return EngineRepo("vllm", config, tensors, medusa_expected(config), VLLM_SERVE, conventions)
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         return config.get("model_type") == "medusa" or "MedusaModel" in config.get("architectures", [])

@@ -186,7 +186,7 @@ class MtpExporter(Exporter):
             f"drafter.feeds_back_normed={str(default).lower()}",
         )
 
-    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
+    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str) -> None:
         super().refuse(engine, drafter, target, vllm_format)
         if engine == "sglang":
             mtp_sglang.refuse(drafter, target)
@@ -282,7 +282,6 @@ class MtpExporter(Exporter):
             expected,
             VLLM_SERVE,
             conventions,
-            method="mtp",
             tokenizer=True,
             cpu_build_limit=limit,
             compilation_config=compiled,

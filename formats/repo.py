@@ -163,7 +163,7 @@ class EngineRepo:
     expected: dict[str, tuple[int, ...]]
     serve: str
     conventions: dict[str, Any] = field(default_factory=dict)
-    method: str = ""  # the engine's name for the algorithm (vLLM's speculative_config method)
+    method: str = ""  # the engine's name for the algorithm (SGLang's; a vLLM folder's is its exporter's vllm_method)
     # what else the engine's speculative config must say to serve this folder (P-EAGLE: parallel_drafting)
     options: dict[str, Any] = field(default_factory=dict)
     tokenizer: bool = False  # copy the target's tokenizer files in

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 # 0.32's speculative config maps both to one gemma4_mtp model.
 ASSISTANTS = {"gemma4_text": "gemma4_assistant", "gemma4_unified_text": "gemma4_unified_assistant"}
 TARGET_MODEL_TYPES = tuple(ASSISTANTS)
-ASSISTANT_MODEL_TYPE = "gemma4_assistant"  # the kind's name, and Gemma-4's assistant's model type
 
 
 @register_config

@@ -17,7 +17,6 @@ if __name__ == "__main__":  # run before the imports below (torch's: seconds), w
     # the command is this module by its installed name: nothing below runs in this copy
     run_cli(lambda argv: importlib.import_module("draftsmith.heads.mtp_random_layer").write_command(argv))
 
-import argparse
 import json
 from pathlib import Path
 from typing import Optional
@@ -90,12 +89,10 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0, 
 def write_command(argv: list[str]) -> None:
     """Give the target folder the arguments name a random first MTP layer (`write_random_layer`; its path alone on
     stdout)."""
-    from draftsmith.cli import configure_logging
+    from draftsmith.cli import OneLineArguments, configure_logging
 
     configure_logging()
-    parser = argparse.ArgumentParser(
-        prog="python -m draftsmith.heads.mtp_random_layer", description=__doc__.split("\n\n")[0]
-    )
+    parser = OneLineArguments(prog="python -m draftsmith.heads.mtp_random_layer", description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", help="a target folder python -m draftsmith.random_target wrote")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

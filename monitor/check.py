@@ -53,7 +53,7 @@ from draftsmith.monitor.metrics import collect, engine_version, window
 from draftsmith.monitor.redeploy import AWAITING, awaiting_action, note_restarts
 from draftsmith.monitor.reverify import engine_change, reverify_action
 from draftsmith.monitor.state import State, iso_seconds, set_stateless_checks_aside
-from draftsmith.monitor.traffic import sample, write_conversations
+from draftsmith.monitor.traffic import require_traffic_dir, sample, write_conversations
 from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock
 from draftsmith.recipe import derived
 
@@ -104,8 +104,8 @@ def require_inputs(settings: DictConfig) -> None:
             "monitor.retrain=true needs monitor.traffic: the retraining reads its prompts from the request logs; set "
             "monitor.traffic=<request log directory>, or monitor.retrain=false to only report drift"
         )
-    if settings.traffic and not Path(settings.traffic).is_dir():  # a setting to fix: not hidden by a scrape's 69
-        raise UserError(f"monitor.traffic={str(settings.traffic)!r} is not a directory of JSONL request logs")
+    if settings.traffic:  # a setting to fix: not hidden by a scrape's 69
+        require_traffic_dir(Path(settings.traffic))
 
 
 def summary(cfg: DictConfig, outcome: Outcome) -> str:

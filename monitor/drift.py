@@ -284,7 +284,7 @@ def free_against_drafter(report: dict[str, Any], judged: bool = True) -> dict[st
     where its τ is above the drafter's: it drafts with no forward of its own, so it is then the faster
     method on any engine, and retraining the drafter on this traffic is not what would pay. The note
     says so only where the sample was large enough to judge (`judged`): on a few drafts τ is noise."""
-    from draftsmith.eval.render import FREE_BASELINES
+    from draftsmith.eval.render import FREE_BASELINES, FREE_FASTER
 
     rows = report["baselines"]["all"]
     free = {name: rows[name]["tau"] for name in FREE_BASELINES if name in rows and rows[name]["tau"] is not None}
@@ -296,8 +296,7 @@ def free_against_drafter(report: dict[str, Any], judged: bool = True) -> dict[st
         "tau": free,
         "faster": faster,
         "not_measured": report.get("not_measured", {}),
-        "note": f"on this traffic a free method is faster: {FREE_BASELINES[faster]}'s τ {free[faster]:.2f} "
-        f"against the drafter's {drafter:.2f}"
+        "note": f"{FREE_FASTER}: {FREE_BASELINES[faster]}'s τ {free[faster]:.2f} against the drafter's {drafter:.2f}"
         if faster and judged
         else None,
     }

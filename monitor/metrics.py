@@ -43,15 +43,16 @@ UNKNOWN = "unknown"  # a replica's version when its server has no /version
 # an engine's /metrics is kilobytes to a few MB (per-position counters, histograms per model); a body past this is no
 # single engine's page (a log, a dump behind a misrouted URL): 83 MB took 42 s and 2.1 GB to parse before it was refused
 MAX_BODY_BYTES = 32 << 20
+SCRAPE_TIMEOUT_S = 10.0  # a healthy engine answers in milliseconds; one slower is unavailable (exit 69: retry)
 
 
-def get(url: str, timeout: float = 10.0) -> Optional[str]:
+def get(url: str) -> Optional[str]:
     """The body at `url`, or None when the server has no such path (404). An engine that does not
     answer, or answers with a server error (5xx: a proxy in front of a dead engine, say), is a
     temporary fault (EngineUnavailable: retry); another client error or a URL that cannot be fetched
     at all is bad input, as is a body past MAX_BODY_BYTES (read no further)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
             body = response.read(MAX_BODY_BYTES + 1)
     except urllib.error.HTTPError as err:
         if err.code == 404:
@@ -71,22 +72,22 @@ def get(url: str, timeout: float = 10.0) -> Optional[str]:
     return body.decode("utf-8", "replace")
 
 
-def scrape(url: str, timeout: float = 10.0) -> str:
+def scrape(url: str) -> str:
     """The exposition text at `url`; a 404 is a wrong path, bad input like any other client error."""
-    text = get(url, timeout)
+    text = get(url)
     if text is None:
         raise UserError(f"{url} answered HTTP 404 Not Found: check monitor.metrics")
     return text
 
 
-def engine_version(metrics_url: str, timeout: float = 10.0) -> str:
+def engine_version(metrics_url: str) -> str:
     """The vLLM version the server of `metrics_url` reports at the /version beside it, or UNKNOWN when
     there is none (404: a proxy that routes only /metrics, or a server older than the endpoint): the
     monitor was told where the counters are, not where the version is, so a missing one leaves the
     version uncompared instead of stopping the monitoring. A server that does not answer is
     EngineUnavailable and any other answer that is not `{"version": "..."}` bad input, as for /metrics."""
     url = urllib.parse.urljoin(metrics_url.rstrip("/"), "version")
-    text = get(url, timeout)
+    text = get(url)
     if text is None:
         return UNKNOWN
     try:

@@ -76,8 +76,7 @@ def timestamp_of(value: Any) -> Optional[float]:
 def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
     """Every complete, well-formed request in the logs (in the order of their paths), and the malformed count.
     Logs of which no line is a request are refused: a format other than this one, not a bad line."""
-    if not directory.is_dir():
-        raise UserError(f"monitor.traffic={str(directory)!r} is not a directory of JSONL request logs")
+    require_traffic_dir(directory)
     requests, malformed, first_malformed = [], 0, None
     for path in log_files(directory):
         if path.exists() and not path.is_file():  # a FIFO or a device: its read blocked the check until a SIGTERM
@@ -124,6 +123,11 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
             'a user turn among them), "timestamp" (Unix seconds or ISO 8601), and optionally "domain" (a string)'
         )
     return requests, malformed
+
+
+def require_traffic_dir(directory: Path) -> None:
+    if not directory.is_dir():
+        raise UserError(f"monitor.traffic={str(directory)!r} is not a directory of JSONL request logs")
 
 
 def logged_request(line: bytes) -> Optional[dict[str, Any]]:

@@ -311,6 +311,15 @@ def run_entry(
     )
 
 
+def random_target_command(argv: list[str]) -> None:
+    """`python -m draftsmith.random_target ARGV` in this process, under run_cli as the command runs it: it exits
+    (SystemExit) with the command's code, its refusals one line on stderr."""
+    from draftsmith.errors import run_cli
+    from draftsmith.random_target import write_command
+
+    run_cli(write_command, argv)
+
+
 def run_entry_in_process(args: list[str], capsys=None) -> subprocess.CompletedProcess:
     """What `run_entry(args)` gives, for a command that needs no process of its own (one that is not
     killed or signalled): the same script (`train.py ...`) or module (`-m eval ...`) run as `__main__`

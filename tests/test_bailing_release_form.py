@@ -26,11 +26,11 @@ def test_random_target_writes_a_ling_3_release_the_mtp_kind_takes(tmp_path):
     """The command's folder: the release's architecture and fields (equal to the measured release's), its weights
     under the names transformers saves, read back by transformers as written; the `mtp` kind's recipe check takes it
     as Ling-3.0's layout once a layer is written beside (it refused transformers' class name in one line)."""
-    from draftsmith.random_target import main
+    from tests.helpers import random_target_command
 
     folder = tmp_path / "ling"
     with pytest.raises(SystemExit) as done:
-        main(["bailing_hybrid", str(folder)])
+        random_target_command(["bailing_hybrid", str(folder)])
     assert done.value.code == 0
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["BailingMoeV3ForCausalLM"] and config["model_type"] == "bailing_hybrid"

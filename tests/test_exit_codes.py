@@ -385,11 +385,11 @@ def test_ctrl_c_during_training_says_how_to_continue(tmp_path, small_data, token
 @pytest.fixture
 def write_target(capsys):
     """`python -m draftsmith.random_target ARGS` in this process: its exit code, stdout and stderr."""
-    from draftsmith.random_target import main
+    from tests.helpers import random_target_command
 
     def run(*args: str):
         with pytest.raises(SystemExit) as exited:
-            main(list(args))
+            random_target_command(list(args))
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(args, exited.value.code, out, err)
 

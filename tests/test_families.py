@@ -54,6 +54,7 @@ from tests.helpers import (
     demo_drafter_section,
     fast_tier,
     product_strings,
+    random_target_command,
     run_entry_in_process,
     train_args,
     trains_and_decodes_its_target_losslessly,
@@ -507,11 +508,10 @@ def test_random_target_writes_every_layer_kind_of_a_family_at_sizes_its_class_ac
     latent head the sum of its parts, which the class checks: it was an internal error), Inkling's full-attention
     layers (one in six, past the tiny depth) and Inkling-2's lm_head rows unpadded (a negative padding was an
     internal error)."""
-    from draftsmith.random_target import main
     from draftsmith.target import load_target
 
     with pytest.raises(SystemExit) as done:
-        main([model_type, str(tmp_path / "target")])
+        random_target_command([model_type, str(tmp_path / "target")])
     assert done.value.code == 0
     config = json.loads((tmp_path / "target" / "config.json").read_text())
     assert set(config.get("text_config", config)["layer_types"]) == kinds
@@ -529,10 +529,8 @@ def test_a_tiny_config_its_class_refuses_is_one_line():
 
 
 def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
-    from draftsmith.random_target import main
-
     with pytest.raises(SystemExit) as done:
-        main(["qwen3", str(tmp_path / "qwen3"), "--seed-from-demo"])
+        random_target_command(["qwen3", str(tmp_path / "qwen3"), "--seed-from-demo"])
     assert done.value.code == 0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "qwen3").iterdir()}
     capsys.readouterr()
@@ -541,23 +539,26 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
     from draftsmith.heads.mtp import check_target_folder
 
     with pytest.raises(SystemExit) as done:
-        main(["glm4_moe", str(tmp_path / "glm4_moe"), "--seed-from-demo"])
+        random_target_command(["glm4_moe", str(tmp_path / "glm4_moe"), "--seed-from-demo"])
     with pytest.raises(UserError, match=r"from python -m draftsmith.heads.mtp_random_layer DIRECTORY\)$"):
         check_target_folder(str(tmp_path / "glm4_moe"))
     added = run_entry_in_process(["-m", "draftsmith.heads.mtp_random_layer", str(tmp_path / "glm4_moe")], capsys)
     assert added.returncode == 0 and added.stdout.strip() == str(tmp_path / "glm4_moe"), added.stderr[-2000:]
     check_target_folder(str(tmp_path / "glm4_moe"))
+    bad_seed = ["-m", "draftsmith.heads.mtp_random_layer", str(tmp_path / "glm4_moe"), "--seed", "abc"]
+    refused = run_entry_in_process(bad_seed, capsys)  # argparse's usage block came first, as random_target's did
+    assert assert_one_line_error(refused, 2).startswith("error: argument --seed: invalid int value: 'abc' (python -m")
     capsys.readouterr()
     with pytest.raises(SystemExit) as done:
-        main(["no_such_family", str(tmp_path / "x")])
+        random_target_command(["no_such_family", str(tmp_path / "x")])
     refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
     assert assert_one_line_error(refused, 2).startswith("error: transformers has no model type 'no_such_family'")
     with pytest.raises(SystemExit) as done:  # `"$OUT"` with OUT unset was the current folder (exit 70 in an empty one)
-        main(["llama", ""])
+        random_target_command(["llama", ""])
     refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
     assert assert_one_line_error(refused, 2) == "error: DIRECTORY is empty: give the folder to write the target to"
     with pytest.raises(SystemExit) as done:  # argparse's refusal came after its 7-line usage block
-        main(["llama", str(tmp_path / "x"), "--seed", "abc"])
+        random_target_command(["llama", str(tmp_path / "x"), "--seed", "abc"])
     refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
     assert assert_one_line_error(refused, 2).startswith("error: argument --seed: invalid int value: 'abc' (python -m")
     assert not (tmp_path / "x").exists()
@@ -567,7 +568,7 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
         ("falcon", "transformers' FalconConfig refuses the tiny falcon target: property 'head_dim'"),
     ]:
         with pytest.raises(SystemExit) as done:
-            main([family, str(tmp_path / family)])
+            random_target_command([family, str(tmp_path / family)])
         refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
         assert_one_line_error(refused, 2, said)
         assert not (tmp_path / family).exists() and not (tmp_path / f"{family}.tmp").exists()
@@ -582,14 +583,14 @@ def test_a_seeded_target_trained_on_the_demo_conversations_predicts_them_better(
     which cost 4.6 s more)."""
     from transformers import AutoTokenizer
 
-    from draftsmith.random_target import DEMO_CONVERSATIONS, main
+    from draftsmith.random_target import DEMO_CONVERSATIONS
     from draftsmith.resources import bundled
     from draftsmith.target import load_target
 
     losses = {}
     for steps in ("0", "2"):
         with pytest.raises(SystemExit) as done:
-            main(["deepseek_v3", str(tmp_path / steps), "--seed-from-demo", "--train-steps", steps])
+            random_target_command(["deepseek_v3", str(tmp_path / steps), "--seed-from-demo", "--train-steps", steps])
         assert done.value.code == 0
         tokenizer = AutoTokenizer.from_pretrained(tmp_path / steps)
         with gzip.open(bundled(DEMO_CONVERSATIONS), "rt") as lines:
@@ -605,12 +606,11 @@ def test_the_command_writes_a_wrappers_release_whole_when_asked(tmp_path, capsys
     """`--released`: a vision-language wrapper's model type written as its releases ship it (the wrapper's
     architecture, its language model under the release's names), which loads as the same causal LM as without."""
     from draftsmith.model_files import tensor_names
-    from draftsmith.random_target import main
     from draftsmith.target import load_target
 
     for flags in ([], ["--released"]):
         with pytest.raises(SystemExit) as done:
-            main(["qwen3_vl", str(tmp_path / (flags[0][2:] if flags else "text")), *flags])
+            random_target_command(["qwen3_vl", str(tmp_path / (flags[0][2:] if flags else "text")), *flags])
         assert done.value.code == 0
     released = json.loads((tmp_path / "released" / "config.json").read_text())
     assert released["architectures"] == ["Qwen3VLForConditionalGeneration"]
@@ -644,7 +644,6 @@ def test_a_wrapper_without_a_causal_lm_class_is_written_loaded_and_sharded_as_it
     from transformers import AutoModelForImageTextToText
 
     from draftsmith.causal_lm import not_a_causal_lm
-    from draftsmith.random_target import main
     from draftsmith.target import load_target, loaded_config, local_target_config, local_target_shape
 
     config = build_config("glm5_next", VOCAB, hidden_size=64, num_hidden_layers=2, head_dim=16)
@@ -652,7 +651,7 @@ def test_a_wrapper_without_a_causal_lm_class_is_written_loaded_and_sharded_as_it
     assert (config.linear_head_dim, config.linear_num_heads) == (16, 4)  # at the tiny shape, not the release's
     folder = tmp_path / "glm5_next"
     with pytest.raises(SystemExit) as done:
-        main(["glm5_next", str(folder)])
+        random_target_command(["glm5_next", str(folder)])
     assert done.value.code == 0
     assert not_a_causal_lm(local_target_config(str(folder)), str(folder)) is None
     assert local_target_shape(str(folder)).model_type == "glm5_next_text"
@@ -668,7 +667,7 @@ def test_a_wrapper_without_a_causal_lm_class_is_written_loaded_and_sharded_as_it
         torch.testing.assert_close(out.logits, expected.logits)
         torch.testing.assert_close(out.layers[2], one_state(expected.hidden_states[3]))
     with pytest.raises(SystemExit) as done:
-        main(["glm5_next_text", str(tmp_path / "x")])
+        random_target_command(["glm5_next_text", str(tmp_path / "x")])
     refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
     line = assert_one_line_error(refused, 2, "has no causal LM class (AutoModelForCausalLM, what draftsmith loads")
     assert line.endswith("for model_type 'glm5_next_text': a target of it cannot be built"), line
@@ -804,13 +803,13 @@ def test_no_target_family_is_named_in_product_code():
     from draftsmith.formats.mtp_sglang_reads import DOTS3_RELEASE_MODEL_TYPE, NEMOTRON_H_KINDS
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
     from draftsmith.formats.versions import VLLM_BARE_LANGUAGE_MODEL, VLLM_IMPORTS_TORCHVISION
-    from draftsmith.heads.gemma4_assistant_config import ASSISTANT_MODEL_TYPE, ASSISTANTS
+    from draftsmith.heads.gemma4_assistant_config import ASSISTANTS, AssistantConfig
     from draftsmith.heads.mtp_layouts import LAYOUTS, SEPARATE_MODEL, UNSERVED
     from draftsmith.text_release import RELEASE_CONSTANTS
 
     tables = {
         "draftsmith/text_release.py": set(RELEASE_CONSTANTS),
-        "heads/gemma4_assistant.py": {ASSISTANT_MODEL_TYPE},  # the kind's name, the assistant's model type
+        "heads/gemma4_assistant.py": {AssistantConfig.type},  # the kind's name, the assistant's model type
         "heads/gemma4_assistant_config.py": {*ASSISTANTS, *ASSISTANTS.values()},
         "formats/repo.py": set(VLLM_NO_STATE_CAPTURE),
         "formats/mtp_sglang.py": set(SGLANG_MODELS),

@@ -401,15 +401,15 @@ def test_the_assistants_folder_is_served_by_sglang_as_nextn_and_refused_where_sg
     both_sliding = replace(info, config=config)
     with pytest.raises(UserError, match=r"wires each assistant layer to the target's last two layers only, and they "
                        r"are sliding_attention, sliding_attention"):  # fmt: skip
-        exporter.refuse("sglang", drafter, both_sliding)
+        exporter.refuse("sglang", drafter, both_sliding, "speculators")
     alone = {"architectures": ["Gemma4UnifiedForCausalLM"], "model_type": "gemma4_unified_text"}
     with pytest.raises(UserError, match=r"SGLang 0.5.23 has no Gemma-4 model for a Gemma4UnifiedForCausalLM target"):
-        exporter.refuse("sglang", drafter, replace(info, config_json=alone))
+        exporter.refuse("sglang", drafter, replace(info, config_json=alone), "speculators")
     per_layer = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "global_head_dim": 32}
     with pytest.raises(UserError, match=r"reads Gemma-4's per-layer head shapes from a wrapper's config only; this "
                        r"Gemma4ForCausalLM target's language-model config.json declares them per layer"):  # fmt: skip
-        exporter.refuse("sglang", drafter, replace(info, config_json=per_layer))
+        exporter.refuse("sglang", drafter, replace(info, config_json=per_layer), "speculators")
     drafter.suppressed = [7]
     with pytest.raises(UserError, match=r"never drafts tokens \[7\] \(its generation_config.json's suppress_tokens, "
                        r"as vLLM reads it\), which SGLang does not read: export it for vllm"):  # fmt: skip
-        exporter.refuse("sglang", drafter, info)
+        exporter.refuse("sglang", drafter, info, "speculators")

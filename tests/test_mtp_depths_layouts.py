@@ -360,16 +360,16 @@ def test_an_export_says_which_vllm_releases_compute_its_draft_steps_as_trained(r
             assert chains[2].first == chains[None].first == "0.34.0"
             assert exporter.releases(one_depth, 3) == exporter.vllm_releases  # depth 0 at every step, as trained
             _, model, drafter = releases(family)  # the eval's report names vLLM with the releases serving its chain
-            assert serving(drafter, model, gamma=2)["chain"]["served_by"] == "vLLM (0.34.0 and later)"
-            assert serving(drafter, model, gamma=1)["chain"]["served_by"] == "vLLM"
+            assert serving(drafter, model, "speculators", 0.0, 2)["chain"]["served_by"] == "vLLM (0.34.0 and later)"
+            assert serving(drafter, model, "speculators", 0.0, 1)["chain"]["served_by"] == "vLLM"
         elif family == "deepseek_v3":  # its DeepSeekMTP is compiled once: several depths served uncompiled
             assert chains[2] == chains[None] == replace(exporter.vllm_releases, condition=SERVED_UNCOMPILED)
             assert exporter.releases(one_depth, 3) == exporter.vllm_releases
             _, model, drafter = releases(family)
-            assert serving(drafter, model, gamma=2)["chain"]["served_by"] == f"vLLM ({SERVED_UNCOMPILED})"
+            assert serving(drafter, model, "speculators", 0.0, 2)["chain"]["served_by"] == f"vLLM ({SERVED_UNCOMPILED})"
             assert (
                 SERVED_UNCOMPILED in served_by("mtp", chains[2])
-                and serving(drafter, model, gamma=1)["chain"]["served_by"] == "vLLM"
+                and serving(drafter, model, "speculators", 0.0, 1)["chain"]["served_by"] == "vLLM"
             )
         else:
             assert chains[2] == chains[None] == exporter.vllm_releases

@@ -244,12 +244,12 @@ def test_sglangs_kernel_and_layer_reading_limits_are_refused_and_a_zeroed_positi
     drafter = MTP.from_target(MTP.Config(**FOR_SGLANG), model, str(narrow))
     info = TargetInfo(TargetShape.of(model, str(narrow)), model.config.to_dict(), str(narrow), config_json(model))
     with pytest.raises(UserError, match=r"fused_eh_norm\) that refuses hidden_size=64"):
-        exporter_for("mtp").refuse("sglang", drafter, info)
+        exporter_for("mtp").refuse("sglang", drafter, info, "speculators")
     one_layer = TargetInfo(
         info.shape, {**info.config, "hidden_size": 512, "num_hidden_layers": 1}, str(narrow), info.config_json
     )
     with pytest.raises(UserError, match=r"does not load a one-layer target's MTP layer \(layer 1\): its loader then"):
-        exporter_for("mtp").refuse("sglang", drafter, replace_hidden(one_layer, 512))
+        exporter_for("mtp").refuse("sglang", drafter, replace_hidden(one_layer, 512), "speculators")
     qwen = write_random_target("qwen3_next", tmp_path / "qwen", **SHAPE)
     write_random_layer(qwen)
     with pytest.raises(UserError, match=r"masks_first_position=true: vLLM's qwen3_next_mtp does not zero"):
@@ -327,10 +327,10 @@ def test_a_config_sglang_reads_otherwise_than_transformers_is_refused_in_one_lin
         (folder / "config.json").write_text(json.dumps(config))
         read = replace(info, config=info.config | {key: value for key, value in edit.items() if value is not None})
         if said is None:
-            exporter_for("mtp").refuse("sglang", drafter, read)
+            exporter_for("mtp").refuse("sglang", drafter, read, "speculators")
         else:
             with pytest.raises(UserError, match=said):
-                exporter_for("mtp").refuse("sglang", drafter, read)
+                exporter_for("mtp").refuse("sglang", drafter, read, "speculators")
 
 
 def replace_hidden(info: TargetInfo, hidden: int) -> TargetInfo:
@@ -488,14 +488,14 @@ def test_a_qwen4_exp_releases_layer_exports_for_sglang_in_its_wrappers_config_ea
         (folder / "config.json").write_text(json.dumps({**shipped, "text_config": written_text}))
         read = replace(info, config={**text, **{k: written_text[k] for k in edit}})
         with pytest.raises(UserError, match=said):
-            exporter.refuse("sglang", drafter, read)
+            exporter.refuse("sglang", drafter, read, "speculators")
     language_model = tmp_path / "text"
     with pytest.raises(UserError, match=r"SGLang builds its Qwen4ExpForCausalLMMTP from a "
                        r"Qwen4ExpForConditionalGeneration target only \(the release's wrapper: it has no model for "
                        r"Qwen4ExpForCausalLM\): export it for vllm"):  # fmt: skip
         alone = json.loads((language_model / "config.json").read_text())
         exporter.refuse("sglang", drafter, replace(info, shape=replace(info.shape, name_or_path=str(language_model)),
-                                                   config_json=alone))  # fmt: skip
+                                                   config_json=alone), "speculators")  # fmt: skip
 
 
 @pytest.mark.slow
@@ -558,11 +558,11 @@ def test_a_dots3_note_releases_layer_trained_for_sglang_exports_its_flat_config_
         (folder / "config.json").write_text(json.dumps({k: v for k, v in (shipped | edit).items() if v is not None}))
         read = replace(info, config={**info.config, "dtype": edit.get("dtype", "bfloat16")})
         with pytest.raises(UserError, match=said):
-            exporter.refuse("sglang", drafter, read)
+            exporter.refuse("sglang", drafter, read, "speculators")
     text_only = replace(info, shape=replace(info.shape, name_or_path=str(tmp_path / "text")))
     with pytest.raises(UserError, match=r"reads a release's flat config.json only \(model_type dots3_note, its swa_\* "
                        r"keys\), and the target's is transformers' form \(dots3_note_text"):  # fmt: skip
-        exporter.refuse("sglang", drafter, text_only)
+        exporter.refuse("sglang", drafter, text_only, "speculators")
 
 
 @pytest.mark.slow

@@ -67,13 +67,13 @@ def test_a_muse_wrapper_is_written_and_loads_as_its_language_model_with_the_wrap
     its language model's type alone is refused in one line."""
     from transformers import AutoModelForImageTextToText
 
-    from draftsmith.random_target import main
     from draftsmith.target import load_target, loaded_config
     from draftsmith.wrapped_text import TextOfWrapper
+    from tests.helpers import random_target_command
 
     folder = tmp_path / model_type
     with pytest.raises(SystemExit) as done:
-        main([model_type, str(folder)])
+        random_target_command([model_type, str(folder)])
     assert done.value.code == 0
     wrapper = AutoModelForImageTextToText.from_pretrained(folder).eval()
     ids = torch.randint(3, 4000, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -89,7 +89,7 @@ def test_a_muse_wrapper_is_written_and_loads_as_its_language_model_with_the_wrap
         assert ours.abs().max() < target.config.final_logit_softcapping
         assert not torch.allclose(bare, expected, atol=1e-3)
     with pytest.raises(SystemExit) as done:
-        main([f"{model_type}_text", str(tmp_path / "text")])
+        random_target_command([f"{model_type}_text", str(tmp_path / "text")])
     refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
     line = assert_one_line_error(refused, 2, "has no causal LM class (AutoModelForCausalLM, what draftsmith loads")
     assert line.endswith(f"for model_type '{model_type}_text': a target of it cannot be built"), line

@@ -125,7 +125,7 @@ def test_a_kind_without_an_export_format_is_evaluated_by_draftsmith_alone(served
     assert Unexported.type not in EXPORTERS
     target = build_model(build_config("llama", 96))
     drafter = Unexported(UnexportedConfig(), TargetShape.of(target, "tiny"))
-    said = serving(drafter, target)
+    said = serving(drafter, target, "speculators", 0.0, None)
     assert said == {method: {"served_by": EVAL_ONLY} for method in Unexported.SERVED_BY}
     with pytest.raises(UserError, match="'unexported' has no export format"):
         exporter_for(drafter.type)

@@ -68,7 +68,7 @@ def test_a_plain_eagle3_is_served_by_both_engines_and_eagle31_by_vllm_alone(targ
          "pard"],
 )  # fmt: skip
 def test_an_engine_whose_export_refuses_the_drafter_is_not_named(kind, config, engine, fragment, target):
-    said = serving(drafter_for(target, kind, **config), target)
+    said = serving(drafter_for(target, kind, **config), target, "speculators", 0.0, None)
     name = {"vllm": "vLLM", "sglang": "SGLang"}[engine]
     assert name not in said["chain"]["served_by"] and fragment in said["chain"]["not_served_by"][name]
 
@@ -78,7 +78,9 @@ def test_a_target_vllm_cannot_capture_states_from_leaves_the_chain_to_the_engine
     gemma2 = build_model(build_config("gemma2", 96))
     for family, engines in (("llama", "SGLang"), ("qwen3", "draftsmith eval only")):
         settings = OmegaConf.to_object(recipe("eagle3", layer_family=family).drafter)
-        said = serving(drafter_class("eagle3").from_target(settings, gemma2, "gemma2"), gemma2)
+        said = serving(
+            drafter_class("eagle3").from_target(settings, gemma2, "gemma2"), gemma2, "speculators", 0.0, None
+        )
         assert said["chain"]["served_by"] == said["tree"]["served_by"] == engines
         assert "cannot capture the hidden states" in said["chain"]["not_served_by"]["vLLM"]
 
@@ -112,7 +114,9 @@ def test_the_vllm_layout_the_recipe_exports_is_the_one_asked(target):
         target,
         str(REFERENCE_TARGET),
     )
-    assert serving(peagle, target)["chain"]["served_by"] == "vLLM (before 0.34.0)"  # 0.34 drafts in parallel no more
+    assert (
+        serving(peagle, target, "speculators", 0.0, None)["chain"]["served_by"] == "vLLM (before 0.34.0)"
+    )  # 0.34 drafts in parallel no more
     native = build_methods(recipe("eagle3", "eval.tree=0", "export.vllm_format=native"), peagle, target, target, 0.0)
     chain = info_of(native, "chain")
     assert (

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import run_in_vllm, trains_and_decodes_its_target_losslessly
+from tests.helpers import random_target_command, run_in_vllm, trains_and_decodes_its_target_losslessly
 
 LAYERS = 4
 # the fields of a Step-3.5-Flash config.json that vLLM's Step3p5ForCausalLM reads, at a tiny size: sliding layers with
@@ -278,14 +278,14 @@ def test_the_command_writes_a_release_that_loads_as_the_model_drawn(tmp_path):
     the command draws."""
     from safetensors import safe_open
 
-    from draftsmith.random_target import build_model, demo_tokenizer_dir, main
+    from draftsmith.random_target import build_model, demo_tokenizer_dir
     from draftsmith.recipe_schema import TargetSection
     from draftsmith.target_loading import read_model
     from draftsmith.text_release import release_config
 
     folder = tmp_path / "release"
     with pytest.raises(SystemExit) as done:
-        main(["step3p5", str(folder), "--sliding-window", str(WINDOW)])
+        random_target_command(["step3p5", str(folder), "--sliding-window", str(WINDOW)])
     assert done.value.code == 0
     written = json.loads((folder / "config.json").read_text())
     assert RELEASE.keys() - written.keys() == {"max_seq_len", "torch_dtype"}  # vLLM's defaults: 4096, the load's
@@ -327,7 +327,7 @@ def test_the_command_trains_the_release_it_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(random_target, "train_on_demo", lambda model, steps, training: train(model, steps, short))
     folder = tmp_path / "trained"
     with pytest.raises(SystemExit) as done:
-        random_target.main(["step3p5", str(folder), "--sliding-window", str(WINDOW), "--train-steps", "3"])
+        random_target_command(["step3p5", str(folder), "--sliding-window", str(WINDOW), "--train-steps", "3"])
     assert done.value.code == 0
     demo = json.loads((random_target.demo_tokenizer_dir() / "config.json").read_text())
     special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}

@@ -40,11 +40,11 @@ FAMILIES = {
 
 def write_and_load(model_type: str, folder):
     """The command's target of `model_type` in `folder`, loaded as a run loads it."""
-    from draftsmith.random_target import main
     from draftsmith.target import load_target
+    from tests.helpers import random_target_command
 
     with pytest.raises(SystemExit) as done:
-        main([model_type, str(folder)])
+        random_target_command([model_type, str(folder)])
     assert done.value.code == 0
     return load_target(str(folder))
 
@@ -132,7 +132,7 @@ def test_an_export_for_a_target_no_vllm_release_loads_is_refused_in_one_line(tmp
     assert "does not know model type 'minicpm5_moe'" in said and not export.exists()
     info = TargetInfo(TargetShape.of(target, str(folder)), target.config.to_dict(), str(folder), config_json(target))
     drafter = load_drafter(checkpoint, info.shape, target)
-    assert refusals(drafter, info)["chain"]["vllm"].startswith(line)
+    assert refusals(drafter, info, "speculators")["chain"]["vllm"].startswith(line)
     for config in ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
                    {"architectures": ["Dots3NoteForCausalLM"], "model_type": "dots3_note"},  # vLLM's own config class
                    {"architectures": ["SomeNewForCausalLM"], "model_type": "llama"}):  # fmt: skip
