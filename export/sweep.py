@@ -231,7 +231,7 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
     from draftsmith.files import checkpoint_digest, write_text_atomic
     from draftsmith.formats import exporter_for
     from draftsmith.formats.folder import served_values
-    from draftsmith.formats.versions import require_vllm_serves
+    from draftsmith.formats.versions import VLLM_PYTHON_KEY, require_vllm_serves
     from draftsmith.heads.base import saved_drafter
     from draftsmith.outputs import DirectoryLock
     from draftsmith.target_loading import load_config
@@ -250,10 +250,10 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
     if not gammas or min(gammas) < 1:
         raise UserError(f"export.sweep.gammas={given} must list integers >= 1, at least one (unset: 1 up to the chain)")
     require_proposes(gammas, longest, method, checkpoint)
-    python = vllm_python(cfg.export.vllm_python, "export.vllm_python")
+    python = vllm_python(cfg.export.vllm_python, VLLM_PYTHON_KEY)
     exporter = exporter_for(method)  # a release without the method: refused now, not after the free methods' levels
     version = require_vllm_serves(exporter.vllm_method, exporter.releases(asdict(drafter_config), max(gammas)), python)
-    missing = None if settings.suffix is False else missing_suffix_decoding(python, "export.vllm_python")
+    missing = None if settings.suffix is False else missing_suffix_decoding(python, VLLM_PYTHON_KEY)
     if settings.suffix and missing:
         raise UserError(missing)
     suffix = settings.suffix is not False and missing is None

@@ -36,6 +36,7 @@ from draftsmith.eval.prompts import eos_ids_of, load_prompts, prompt_sources
 from draftsmith.families import reads_in_order
 from draftsmith.formats import Source
 from draftsmith.formats.repo import EngineRepo, served_dtype, target_arguments
+from draftsmith.formats.versions import VLLM_PYTHON_KEY
 from draftsmith.target import load_tokenizer
 
 ENGINE_TIMEOUT_S = 1800
@@ -75,7 +76,7 @@ class EngineSession:
         if worker is None or not worker.running:
             worker = self.workers[python] = VllmWorker(
                 python,
-                "export.vllm_python",
+                VLLM_PYTHON_KEY,
                 env=self.env,
                 show_log=False,
                 refusal=ExportCheckFailed,
@@ -198,7 +199,7 @@ def verify_in_vllm(
     summary = compare(engine, ours, gamma, float(cfg.export.tolerance), len(prompts), max_new, partings, plain_partings)
     resolved = engine["runs"]["scheduled" if schedule is not None else "speculative"]
     summary["engine_settings"] = {"vllm_version": engine["vllm_version"], **resolved["engine_settings"]}
-    summary["engine_build"] = vllm_distribution(cfg.export.vllm_python, "export.vllm_python")  # the card's command
+    summary["engine_build"] = vllm_distribution(cfg.export.vllm_python, VLLM_PYTHON_KEY)  # the card's command
     # what the check ran vLLM with besides the speculative config, for the model card to state
     summary["engine_arguments"] = {
         key: request[key]

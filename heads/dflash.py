@@ -321,6 +321,22 @@ class DFlash(EagleBase):
         blocks = self.row_blocks(batch)
         return {ROW_BLOCKS: max(1, int(blocks.max())), BLOCKS: int(blocks.sum())}
 
+    @staticmethod
+    def block_teacher(clamped: torch.Tensor, input_ids: torch.Tensor, target_out: TargetOutput):
+        """soft_ce's teacher of the scored positions (by flat index): the target's distribution of each scored token,
+        its logits at the position before it (`clamped` - 1, in its row)."""
+        rows, length = input_ids.shape
+        before = (torch.arange(rows, device=input_ids.device)[:, None, None] * length + clamped - 1).flatten()
+        return lambda index: target_out.logits_at(before[index]).float().softmax(-1)
+
+    def vocab_loss(self, features, weight, labels, teacher, row_weight: torch.Tensor):
+        """The blocks' vocabulary loss of `features` over `weight` (the target's lm_head, or DSpark's extension of
+        it), each scored position weighted by `row_weight`: cross-entropy with `labels`, or soft_ce with `teacher`."""
+        chunk_rows = chunk_rows_for(self.loss_chunk_bytes, weight.shape[0])
+        if self.config.loss == "soft_ce":
+            return soft_cross_entropy(features, weight, teacher, row_weight, chunk_rows)
+        return cross_entropy(features, weight, labels.flatten(), row_weight, chunk_rows)
+
     def loss(self, batch: dict, target_out: TargetOutput):
         """Weighted (soft) cross-entropy over every block position k >= 1 whose token x_{a+k} exists
         and bears loss, summed: sum over blocks and k of w_k·CE, the weights normalised to sum 1 over a
@@ -341,20 +357,14 @@ class DFlash(EagleBase):
         greedy chain of block_size-1 would accept on this data.
         """
         input_ids = batch["input_ids"]
-        rows, length = input_ids.shape
         size = self.config.block_size
         anchors, real, outputs = self.sampled_blocks(batch, target_out)
         outputs = outputs[:, :, 1:]  # [B, A, S-1, H]: block position k scores x_{a+k}, k = 1..S-1
         clamped, labels, supervised = self.scored(batch, anchors, real, size - 1)
 
         weight = self.target_modules()[1].weight  # the target's lm_head, frozen
-        chunk_rows = chunk_rows_for(self.loss_chunk_bytes, weight.shape[0])
-        before = (torch.arange(rows, device=input_ids.device)[:, None, None] * length + clamped - 1).flatten()
-
-        def teacher(index: torch.Tensor) -> torch.Tensor:  # soft_ce's: the target's distribution of x_{a+k}
-            return target_out.logits_at(before[index]).float().softmax(-1)  # its logits at a+k-1
-
         features = outputs.flatten(0, 2).to(weight.dtype)
+        teacher = self.block_teacher(clamped, input_ids, target_out)
         dpace = self.config.loss_weighting == "dpace"
         if dpace:
             # D-PACE's weights come from this very pass's cross-entropies, so the loss is a weighted sum of its
@@ -367,10 +377,7 @@ class DFlash(EagleBase):
             )
             # a whole block's weights sum to 1: its loss is a weighted mean
             pass_weight = (supervised * (decay / decay.sum())).flatten()
-        if self.config.loss == "soft_ce":
-            result = soft_cross_entropy(features, weight, teacher, pass_weight, chunk_rows)
-        else:
-            result = cross_entropy(features, weight, labels.flatten(), pass_weight, chunk_rows)
+        result = self.vocab_loss(features, weight, labels, teacher, pass_weight)
         token_loss = result.token_loss.view_as(supervised)  # 0 where not supervised
         if dpace:  # the weights: constants of the loss, from the detached confidence (module docstring)
             total = (self.dpace_weights(supervised, token_loss.detach()).flatten() * result.token_loss).sum()

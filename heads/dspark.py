@@ -34,6 +34,8 @@ Checkpoint names: DFlash's, plus `markov_head.markov_w1.weight [V, r]`, `markov_
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,7 +46,7 @@ from draftsmith.heads.dflash import DFlash
 from draftsmith.heads.dspark_config import DSparkConfig
 from draftsmith.heads.dspark_proposer import DSparkProposer
 from draftsmith.heads.packing import documents, num_documents
-from draftsmith.heads.vocab_loss import chunk_rows_for, cross_entropy, soft_cross_entropy
+from draftsmith.heads.vocab_loss import chunk_rows_for
 from draftsmith.target import TargetOutput, TargetShape
 
 
@@ -114,7 +116,6 @@ class DSpark(DFlash):
         (`block{k}/top1` the k-th drafted token, `token_loss`, `accepted`), and `confidence_error`, the mean
         |sigmoid(confidence) - c*| where the head is."""
         input_ids = batch["input_ids"]
-        rows, length = input_ids.shape
         size = self.config.block_size
         anchors, real, outputs = self.sampled_blocks(batch, target_out)  # [B, A, S, H]
         offsets = torch.arange(size, device=input_ids.device)
@@ -126,15 +127,8 @@ class DSpark(DFlash):
         weight = torch.cat([lm_weight, self.markov_head.markov_w2.weight.to(lm_weight.dtype)], dim=1)
         features = torch.cat([outputs, markov.to(outputs.dtype)], dim=-1).flatten(0, 2).to(weight.dtype)
         chunk_rows = chunk_rows_for(self.loss_chunk_bytes, weight.shape[0])
-        before = (torch.arange(rows, device=input_ids.device)[:, None, None] * length + clamped - 1).flatten()
-
-        def teacher(index: torch.Tensor) -> torch.Tensor:  # soft_ce's: the target's distribution of x_{a+k+1}
-            return target_out.logits_at(before[index]).float().softmax(-1)
-
-        def vocab_loss(row_weight: torch.Tensor):
-            if self.config.loss == "soft_ce":
-                return soft_cross_entropy(features, weight, teacher, row_weight, chunk_rows)
-            return cross_entropy(features, weight, labels.flatten(), row_weight, chunk_rows)
+        teacher = self.block_teacher(clamped, input_ids, target_out)
+        vocab_loss = partial(self.vocab_loss, features, weight, labels, teacher)
 
         if self.config.loss_weighting == "dpace":
             # D-PACE's weights come from the draft's own detached cross-entropies; the weight's gradient (the Markov

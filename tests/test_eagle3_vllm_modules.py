@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.export.run import load_source, served_config, stage_repo
+from draftsmith.formats import exporter_for
 from draftsmith.formats.eagle3 import NATIVE, PEAGLE, SPECULATORS
 from draftsmith.heads.packing import draft_attention_mask
 from draftsmith.recipe import load_recipe
@@ -158,7 +160,9 @@ def test_vllms_own_eagle3_code_computes_the_drafters_step_from_each_layout(layou
     cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"output_dir={tmp_path / 'run'}", "eval.tree=0"])
     source = load_source(cfg, checkpoint, target)
     drafter = source.drafter
-    repo = layout.write(source, gamma=3)
+    vllm_format = "native" if layout is NATIVE else "speculators"  # the folder as the export builds it
+    assert exporter_for("eagle3").layout("vllm", drafter, vllm_format) is layout
+    repo = exporter_for("eagle3").build("vllm", replace(source, vllm_format=vllm_format), 3, tmp_path / "folder")
     folder = stage_repo(repo, tmp_path / "folder", source.target)
     speculative = served_config(repo, 3, None, drafter)
     plan = {"as written": {**speculative, "model": str(folder)}}
