@@ -16,6 +16,7 @@ import zlib
 from typing import Any, Iterator, Optional
 
 import datasets
+from datasets.table import CastError
 
 from draftsmith.data_prep.cache_faults import hugging_face_caches, raise_cache_fault
 from draftsmith.data_prep.local_files import builder, file_digest, gzipped, source_files
@@ -139,12 +140,21 @@ def _load_file(
     reader = builder(path)
     if reader == "parquet" and _parquet_rows(path) == 0:  # the builder fails on it ("BatchSize must be > 0")
         raise UserError(f"{path} has no records")
-    if reader == "json":
-        _refuse_null_records(path)
+    size = _refuse_lines_arrow_crashes_on(path) if reader == "json" else None
     content = file_digest(path, digests)
     try:
-        with _quiet_builders():
-            dataset = datasets.load_dataset(reader, name=f"sha256-{content}", data_files=path, split="train")
+        try:
+            with _quiet_builders():
+                dataset = datasets.load_dataset(reader, name=f"sha256-{content}", data_files=path, split="train")
+        except Exception as err:
+            if not isinstance(err.__cause__, CastError) or size is None:
+                raise
+            # datasets' JSON builder takes a file's columns from its first 10 MiB (its chunksize): a key that first
+            # appears later (a regenerated answer's `cut`, a `domain`) failed its cast of the next 10 MiB. Read as
+            # one chunk, the columns are every record's (its memory: the file's, once)
+            with _quiet_builders():
+                whole = {"name": f"sha256-{content}-whole", "chunksize": size + 1}
+                dataset = datasets.load_dataset(reader, data_files=path, split="train", **whole)
     except Exception as err:  # the builders raise assorted types (ArrowInvalid, StopIteration on empty files, ...)
         raise_cache_fault(err, *hugging_face_caches())
         if reader == "json":
@@ -156,34 +166,44 @@ def _load_file(
     return dataset
 
 
-def _refuse_null_records(path: str) -> None:
+def _refuse_lines_arrow_crashes_on(path: str) -> Optional[int]:
     """pyarrow's JSON reader (26.0) crashes the process, SIGSEGV and no line, on a `null` line that starts a block it
-    parses (the file's first, or the first of any later 10 MiB batch of datasets' builder): every line that is
-    `null` is refused as the record it is, before the builder reads the file. One more read of it, a regular
-    expression over 16 MiB at a time (about a second a GB)."""
+    parses (the file's first, or the first of any later 10 MiB batch of datasets' builder), and on JSON nested some
+    10,000 levels deep: every line that is `null` is refused as the record it is, and one that opens MAX_NESTING
+    arrays or objects in a row, before the builder reads the file. One more read of it, regular expressions over
+    16 MiB at a time (about a second a GB). The bytes read, decompressed; None where the file cannot be read."""
     opener = gzip.open if gzipped(path) else open
-    lines, tail = 0, b""  # lines before `tail`, the part line the last chunk ended in
+    lines, tail, size = 0, b"", 0  # lines before `tail`, the part line the last chunk ended in
     try:
         with opener(path, "rb") as handle:
             while chunk := handle.read(16 << 20):
+                size += len(chunk)
                 text = tail + chunk
                 cut = text.rfind(b"\n") + 1  # whole lines now, the rest with the next chunk
                 text, tail = text[:cut], text[cut:]
-                _refuse_null_line(path, text, lines)
+                _refuse_line(path, text, lines)
                 lines += text.count(b"\n")
     except (OSError, EOFError, zlib.error):
-        return  # the builder's read says what is wrong
-    _refuse_null_line(path, tail + b"\n", lines)
+        return None  # the builder's read says what is wrong
+    _refuse_line(path, tail + b"\n", lines)
+    return size
 
 
-def _refuse_null_line(path: str, text: bytes, lines: int) -> None:
+def _refuse_line(path: str, text: bytes, lines: int) -> None:
     """`text`: whole lines of `path`, `lines` lines into it."""
     if found := NULL_LINE.search(text):
         line = lines + text.count(b"\n", 0, found.start()) + 1
         raise UserError(f"{path}:{line}: a record that is null, not a JSON object")
+    for number, line in enumerate(text.split(b"\n"), lines + 1):  # the pattern only where it can match: 10 times faster
+        if line.count(b"[") + line.count(b"{") >= MAX_NESTING and DEEP_NESTING.search(line):
+            raise UserError(f"{path}:{number}: {DEEP}")
 
 
 NULL_LINE = re.compile(rb"^(?:\xef\xbb\xbf)?[ \t]*null[ \t\r]*,?[ \t\r]*$", re.MULTILINE)
+MAX_NESTING = 500  # no conversation nests so deep; pyarrow crashes near 10,000, Python's JSON parser stops near 1,000
+# MAX_NESTING arrays or objects opened in a row, a key before each (the way a chain of nesting is written)
+DEEP_NESTING = re.compile(rb'(?:[\[{][ \t\r\n]*(?:"[^"\n]*"[ \t\r\n]*:[ \t\r\n]*)?){%d}' % MAX_NESTING)
+DEEP = f"JSON nested more than {MAX_NESTING} levels deep, which no conversation is"
 
 
 def _parquet_rows(path: str) -> Optional[int]:
@@ -243,6 +263,8 @@ def _diagnose_json(path: str, skip_invalid_utf8: bool = False) -> None:
             ) from None
         try:
             numbered = list(enumerate(json.loads(text), 1))
+        except RecursionError:
+            raise UserError(f"{path}: {DEEP}") from None
         except json.JSONDecodeError as err:
             if err.msg != "Extra data":  # else JSON lines whose first record is an array: read as lines below
                 raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg})") from None
@@ -260,6 +282,8 @@ def _diagnose_json(path: str, skip_invalid_utf8: bool = False) -> None:
                 raise UserError(f"{path}:{lineno}: {_utf8_problem(err)}; {UTF8_HINT}") from None
             try:
                 numbered.append((record, json.loads(line)))
+            except RecursionError:
+                raise UserError(f"{path}:{lineno}: {DEEP}") from None
             except json.JSONDecodeError as err:
                 raise UserError(f"{path}:{lineno}: malformed JSON ({err.msg})") from None
     if not numbered:

@@ -122,10 +122,11 @@ def _read_conversations(
         ) from None
 
 
-def require_context(target, max_length: int, config=None) -> None:
+def require_context(target, max_length: int, config=None, new_tokens: Optional[tuple[str, int]] = None) -> None:
     """data.max_length within the context the target's config states (`target`: the recipe's target section,
     or a path; `config`: its loaded config, else read from config.json alone, no weights): a longer row would run the
-    target past the positions it was trained on. A config that states none is taken at its word."""
+    target past the positions it was trained on; and `new_tokens`, (its key, the tokens generated after a prompt),
+    below it. A config that states none is taken at its word."""
     from draftsmith.target import target_section
     from draftsmith.target_loading import load_config
 
@@ -135,6 +136,16 @@ def require_context(target, max_length: int, config=None) -> None:
             f"data.max_length={max_length} is more than the target's context of {context} tokens ({stated} in its "
             f"config); set data.max_length={context} or less"
         )
+    if context is not None and new_tokens is not None and new_tokens[1] >= context:
+        raise no_room(*new_tokens, context, stated)
+
+
+def no_room(key: str, new: int, context: int, stated: str) -> UserError:
+    """The refusal of `key`=`new` tokens generated after a prompt in a target's context of `context` tokens."""
+    return UserError(
+        f"{key}={new} leaves no room for a prompt in the target's context of {context} tokens ({stated}): set {key} "
+        f"below {context}"
+    )
 
 
 def target_context(config) -> tuple[Optional[int], str]:

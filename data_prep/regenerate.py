@@ -146,7 +146,9 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
     directory = Path(section.output or Path(cfg.output_dir) / "regenerated")
     if not cfg.data.train:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to regenerate")
-    require_context(cfg.target, cfg.data.max_length, None if target is None else target.config)
+    # answers that long left no prompt room in the context: generated past it (1e9: on and on), as training data
+    answers = ("data.regenerate.max_new_tokens", int(section.max_new_tokens))
+    require_context(cfg.target, cfg.data.max_length, None if target is None else target.config, answers)
     refused = ANSWER_ENGINES[section.engine].SHARDING_REFUSED
     if refused and cfg.target.shard != "none":
         raise UserError(f"data.regenerate.engine={section.engine} with target.shard={cfg.target.shard}: {refused}")

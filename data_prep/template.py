@@ -98,8 +98,11 @@ def _whole(tokenizer, messages: list[Message], thinking: str, kept_tokens: Optio
     full = _render(tokenizer, messages, add_generation_prompt=False)
     encoded = _encode(tokenizer, full)
     ids, offsets = encoded
-    # where the first token cut off begins: a turn whose prompt ends after it has no token in the row kept
-    cut_at = offsets[kept_tokens][0] if kept_tokens is not None and len(ids) > kept_tokens else len(full)
+    # a turn whose prompt ends past where the last token kept begins has no token in the row kept (a token the
+    # tokenizer adds is (0, 0), of no text); uncut, every turn has
+    cut_at = len(full)
+    if kept_tokens is not None and len(ids) > kept_tokens:
+        cut_at = max((start for start, end in offsets[:kept_tokens] if end > start), default=0)
     spans = []
     for index in answered_turns(messages):
         prompt = _render(tokenizer, messages[:index], add_generation_prompt=True)

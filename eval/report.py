@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from draftsmith.data_prep.dataset import require_context, target_context
+from draftsmith.data_prep.dataset import no_room, require_context, target_context
 from draftsmith.data_prep.overlap import PromptCount, prompts_in_train
 from draftsmith.engines import SUFFIX, suffix_decoding_installed
 from draftsmith.errors import NotLossless, UserError
@@ -234,10 +234,7 @@ def prompt_room(cfg, say: bool = True, config=None) -> int:
     if context is None or length + new <= context:
         return length
     if new >= context:
-        raise UserError(
-            f"eval.max_new_tokens={new} leaves no room for a prompt in the target's context of {context} tokens "
-            f"({stated}): set eval.max_new_tokens below {context}"
-        )
+        raise no_room("eval.max_new_tokens", new, context, stated)
     if say:
         print(
             f"note: eval prompts are cut to their last {context - new} tokens, not data.max_length={length}: with "

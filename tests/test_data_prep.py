@@ -669,6 +669,39 @@ def test_a_null_record_is_one_line_not_a_crash(tmp_path, name, content, line):
         load_conversations([str(tmp_path / name)])
 
 
+@pytest.mark.parametrize(
+    "depth, keyed", [(10_000, False), (100_000, False), (1_000, True)], ids=["10k", "100k", "keys"]
+)
+def test_json_nested_too_deep_is_one_line_not_a_crash(tmp_path, depth, keyed):
+    """A record holding JSON nested 10,000 levels deep crashed the process in pyarrow's reader (SIGSEGV, exit 139,
+    no line, the run's lock left); 5,000 was exit 70 (RecursionError in draftsmith's own diagnosis). Nesting past
+    500 levels is refused naming its line, keyed objects as well as arrays; nesting within it reads."""
+    opened = '{"a": ' * depth + "1" + "}" * depth if keyed else "[" * depth + "]" * depth
+    good = json.dumps(GOOD)
+    (tmp_path / "deep.jsonl").write_text(f'{good}\n{good[:-1]}, "meta": {opened}}}\n')
+    with pytest.raises(UserError, match=r"deep.jsonl:2: JSON nested more than 500 levels deep, which no conv"):
+        load_conversations([str(tmp_path / "deep.jsonl")])
+    (tmp_path / "fine.jsonl").write_text(f'{good}\n{good[:-1]}, "meta": {"[" * 50 + "1" + "]" * 50}}}\n')
+    assert len(load_conversations([str(tmp_path / "fine.jsonl")])) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["late.jsonl", "late.jsonl.gz"])
+def test_a_key_that_first_appears_past_ten_megabytes_is_read(tmp_path, name):
+    """datasets' JSON builder takes a file's columns from its first 10 MiB: a key first appearing later (a regenerated
+    answer's `cut`, a `domain`, another field) was `cannot read FILE: DatasetGenerationError: An error occurred
+    while generating the dataset`, exit 2, on valid data. It is read, every record as written."""
+    good = (json.dumps(GOOD) + "\n").encode()
+    count = (10 << 20) // len(good) + 100
+    late = {**GOOD, "domain": "code", "meta": {"x": 1}}
+    late["messages"] = [*GOOD["messages"][:-1], {**GOOD["messages"][-1], "cut": True}]
+    data = good * count + (json.dumps(late) + "\n").encode()
+    (tmp_path / name).write_bytes(gzip.compress(data, compresslevel=1) if name.endswith(".gz") else data)
+    loaded = load_conversations([str(tmp_path / name)])
+    assert len(loaded) == count + 1 and loaded[-1]["domain"] == "code" and loaded[-1]["messages"][-1]["cut"] is True
+    assert loaded[0]["messages"] == loaded[1]["messages"] and loaded[0]["messages"][-1]["cut"] is None
+
+
 def test_a_gzip_file_damaged_inside_is_one_line(tmp_path):
     """Its deflate stream broken past the header: zlib's error was exit 70, an internal error."""
     damaged = bytearray(gzip.compress(json.dumps(GOOD).encode() * 200))
@@ -915,6 +948,14 @@ def test_max_length_beyond_the_targets_context_is_refused_by_every_command(tmp_p
             "error: data.max_length=100000 is more than the target's context of 2048 tokens "
             "(max_position_embeddings=2048 in its config); set data.max_length=2048 or less"
         ), command
+    # a regeneration's answers as long as the context (3,000 tokens ran on past it, written as training data; 1e9 for
+    # minutes until killed), as the eval's are
+    args = train_args(tmp_path / "run", data, token_cache, "data.regenerate.max_new_tokens=3000")
+    line = assert_one_line_error(run_entry_in_process(["-m", "data_prep.regenerate", *args], capsys), 2)
+    assert line == (
+        "error: data.regenerate.max_new_tokens=3000 leaves no room for a prompt in the target's context of 2048 tokens "
+        "(max_position_embeddings=2048): set data.regenerate.max_new_tokens below 2048"
+    )
 
 
 def test_invalid_utf8_in_a_json_document_names_the_line(tmp_path):
