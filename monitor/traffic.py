@@ -19,8 +19,9 @@ age, the rotated `requests.jsonl.1` after the live `requests.jsonl`), written as
 and regeneration read: each request's messages, ending with the logged answer, or with a placeholder answer when
 none was logged (the eval reads only what precedes it, regeneration replaces it). Logs being written are read
 safely: a last line without its newline is skipped as incomplete, as is a gzip log's cut-off end (or a
-`.jsonl.gz` that is not gzip: a warning names it, its rest counted as one malformed line); logs are streamed, and a
-line past MAX_REQUEST_BYTES is malformed, read past and never held; malformed lines
+`.jsonl.gz` that is not gzip: a warning names it, its rest counted as one malformed line); logs are streamed, only
+the window's requests kept, a log last written a day before the window not read, and a line past MAX_REQUEST_BYTES is
+malformed, read past and never held; malformed lines
 are counted, not fatal, unless no line is a request (logs in another format: refused, naming the first line); a
 request timed more than a day ahead of the monitor's clock counts as malformed, and when every request is
 (timestamps in milliseconds), the logs are refused. A log or a folder of logs that cannot be read is refused,
@@ -34,6 +35,7 @@ import errno
 import gzip
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -41,7 +43,7 @@ import zlib
 from collections import defaultdict
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Optional
+from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 from draftsmith.data_prep.records import DEFAULT_DOMAIN
 from draftsmith.data_prep.turns import TOOL_CALLS_KEY, TOOL_KEYS, normalize_turn
@@ -73,11 +75,15 @@ def timestamp_of(value: Any) -> Optional[float]:
     return None
 
 
-def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
-    """Every complete, well-formed request in the logs (in the order of their paths), and the malformed count.
-    Logs of which no line is a request are refused: a format other than this one, not a bad line."""
+def read_requests(
+    directory: Path, keep: Callable[[dict[str, Any]], bool] = lambda request: True, written_after: float = -math.inf
+) -> tuple[list[dict[str, Any]], int]:
+    """The complete, well-formed requests in the logs (in the order of their paths) that `keep` keeps, the others
+    never held (a month of rotated logs was read whole into memory every check), and the malformed count; a log last
+    written before `written_after` is not read (it holds no request since). Logs of which no line is a request are
+    refused: a format other than this one, not a bad line."""
     require_traffic_dir(directory)
-    requests, malformed, first_malformed = [], 0, None
+    requests, malformed, first_malformed, read = [], 0, None, 0
     for path in log_files(directory):
         if path.exists() and not path.is_file():  # a FIFO or a device: its read blocked the check until a SIGTERM
             raise UserError(f"monitor.traffic: {path} is not a regular file (a pipe or a device): move it out")
@@ -89,6 +95,9 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
             if err.errno not in (errno.ENOENT, errno.ELOOP):
                 raise
             raise UserError(f"monitor.traffic: cannot read {path}: {err.strerror} (a link to no file)") from None
+        if path.stat().st_mtime < written_after:
+            stream.close()
+            continue
         too_long = []
         with stream:
             try:
@@ -102,7 +111,9 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
                         if line is None:
                             too_long.append(number)
                         continue
-                    requests.append(request)
+                    read += 1
+                    if keep(request):
+                        requests.append(request)
             except (EOFError, gzip.BadGzipFile, zlib.error) as err:  # cut off (still being written), or not gzip
                 log.warning("monitor: %s is not whole gzip (%s): only the lines before it are read", path, err)
                 malformed += 1  # the rest of the file is one malformed part of it
@@ -116,7 +127,7 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
                 MAX_REQUEST_BYTES >> 20,
                 too_long[0],
             )
-    if malformed and not requests:
+    if malformed and not read:
         raise UserError(
             f"monitor.traffic={str(directory)!r}: none of its {malformed} logged line(s) is a request (the first: "
             f'{first_malformed}); each line is a JSON object with "messages" (a list of {{"role", "content"}}, '
@@ -137,7 +148,8 @@ def logged_request(line: bytes) -> Optional[dict[str, Any]]:
         messages = [logged_turn(turn) for turn in record["messages"]]
         logged_at = timestamp_of(record["timestamp"])
         domain = record.get("domain") or DEFAULT_DOMAIN
-    except (json.JSONDecodeError, KeyError, TypeError, UserError):
+    # RecursionError: JSON nested too deep for the parser (a client's object logged through): one malformed line
+    except (ValueError, KeyError, TypeError, UserError, RecursionError):
         return None
     # no time: it would stay in every window, as the newest traffic; a domain that is not a name (a list, a number)
     # would become a domain of its own (`['a']`), judged and retrained apart from the named ones
@@ -261,19 +273,28 @@ def sample(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The latest `per_domain` requests per domain within the window and logged after `since` (before it, a
     drafter the monitor replaced served them: monitor/redeploy.py); and what was read."""
-    logged, malformed = read_requests(directory)
     now = time.time() if now is None else now
-    # a time further ahead than a clock's skew or a naive time's zone explains (or NaN) is no request's time:
-    # taken as the newest traffic it would stay in every window, so it is counted as malformed instead
-    requests = [r for r in logged if r["time"] <= now + FUTURE_TOLERANCE_S]
-    if logged and not requests:  # not a few bad clocks: the logs' unit (each check would find too few samples)
+    read: dict[str, Any] = {"requests": 0, "ahead": 0, "first": None}
+
+    def in_window(request: dict[str, Any]) -> bool:
+        read["requests"] += 1
+        read["first"] = request["time"] if read["first"] is None else read["first"]
+        # a time further ahead than a clock's skew or a naive time's zone explains (or NaN) is no request's time:
+        # taken as the newest traffic it would stay in every window, so it is counted as malformed instead
+        if not request["time"] <= now + FUTURE_TOLERANCE_S:
+            read["ahead"] += 1
+            return False
+        return now - request["time"] <= window_s and request["time"] > since
+
+    # a log last written before the window (less the clocks' tolerance) holds no request of it
+    recent, malformed = read_requests(directory, in_window, written_after=now - window_s - FUTURE_TOLERANCE_S)
+    if read["requests"] and read["ahead"] == read["requests"]:  # the logs' unit (each check: too few samples)
         raise UserError(
-            f"monitor.traffic={str(directory)!r}: every one of its {len(logged)} request(s) is timed more than a day "
-            f"ahead of this machine's clock (the first: timestamp {logged[0]['time']:g}; milliseconds?): a "
+            f"monitor.traffic={str(directory)!r}: every one of its {read['requests']} request(s) is timed more than a "
+            f"day ahead of this machine's clock (the first: timestamp {read['first']:g}; milliseconds?): a "
             '"timestamp" is Unix seconds or ISO 8601'
         )
-    malformed += len(logged) - len(requests)
-    recent = [r for r in requests if now - r["time"] <= window_s and r["time"] > since]
+    malformed += read["ahead"]
     by_domain: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for request in recent:
         by_domain[request["domain"]].append(request)
@@ -281,7 +302,7 @@ def sample(
     # requests.jsonl.1 after the live requests.jsonl); a stable sort keeps equal times in the logs' order
     picked = {domain: sorted(rows, key=lambda r: r["time"])[-per_domain:] for domain, rows in sorted(by_domain.items())}
     summary = {
-        "requests_read": len(requests),
+        "requests_read": read["requests"] - read["ahead"],  # in the logs written within the window
         "malformed_lines": malformed,
         "in_window": len(recent),
         "per_domain": {d: len(r) for d, r in picked.items()},

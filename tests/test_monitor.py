@@ -1661,6 +1661,40 @@ def test_a_request_line_past_the_cap_is_malformed_and_never_held(tmp_path, caplo
     assert f"{logs / 'a.jsonl'}: 1 line(s) longer than 1 MiB skipped as malformed (the first: line 2)" in caplog.text
 
 
+def test_logs_written_before_the_window_are_not_read_and_requests_outside_it_not_held(tmp_path):
+    """Every log in monitor.traffic was read whole into memory and filtered after: a gateway keeping a month of
+    rotated logs (286 MB) took 992 MB and 16 s a check. A log last written before the window (less a day for
+    clocks) is not read, and of the others only the window's requests are kept."""
+    import os
+
+    logs, now = tmp_path / "logs", time.time()
+    logs.mkdir()
+    ask = {"messages": [{"role": "user", "content": "hi"}], "domain": "chat"}
+    old = logs / "requests.jsonl.9.gz"
+    old.write_bytes(gzip.compress((json.dumps({**ask, "timestamp": now - 30 * 86400}) + "\nnot json\n").encode()))
+    os.utime(old, (now - 29 * 86400, now - 29 * 86400))
+    stamps = [now - 7200, now - 60, now - 30]  # one before the hour's window, two in it
+    (logs / "requests.jsonl").write_text("".join(json.dumps({**ask, "timestamp": t}) + "\n" for t in stamps))
+    picked, summary = sample(logs, per_domain=10, window_s=3600, now=now)
+    assert [r["time"] for r in picked] == stamps[1:]
+    assert summary["requests_read"] == 3 and summary["malformed_lines"] == 0  # the old log's bad line unread
+    held = []
+    requests, malformed = read_requests(logs, keep=lambda request: held.append(request["time"]) or False)
+    assert requests == [] and malformed == 1 and len(held) == 4  # read, none kept; every log without written_after
+
+
+def test_a_request_nested_deeper_than_json_reads_is_a_malformed_line(tmp_path):
+    """A logged line nested deeper than Python's JSON parser recurses (a client's object logged through, 1,100
+    levels) was exit 70 (RecursionError) on every check until the log rotated out: it is one malformed line."""
+    logs, now = tmp_path / "logs", time.time()
+    logs.mkdir()
+    ask = {"messages": [{"role": "user", "content": "hi"}], "domain": "chat", "timestamp": now}
+    deep = json.dumps(ask)[:-1] + ', "metrics": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+    (logs / "requests.jsonl").write_text(json.dumps(ask) + "\n" + deep + "\n")
+    requests, malformed = read_requests(logs)
+    assert len(requests) == 1 and malformed == 1
+
+
 def test_a_request_without_a_time_is_malformed_and_millisecond_logs_are_refused(tmp_path):
     """A missing or unparseable timestamp, or `true` (read as 1.0), kept the request in every window: now each is
     malformed. Timestamps in milliseconds made every request "more than a day ahead", malformed: `too few
@@ -2026,7 +2060,7 @@ def test_the_latest_requests_are_the_newest_by_time_whichever_file_holds_them(tm
     """sample() took each domain's last requests in file-name order: the older requests.old.jsonl sorts after the
     live requests.jsonl, so the old ones were sampled. Latest is by each request's time; equal times keep the
     logs' order."""
-    logs, now = tmp_path / "logs", 1_800_000_000.0
+    logs, now = tmp_path / "logs", time.time()  # the logs written now: a log written a day before the window is unread
     logs.mkdir()
     (logs / "requests.jsonl").write_text(asked("chat", now - 2, "new") + asked("chat", now - 1, "newest"))
     (logs / "requests.old.jsonl").write_text(asked("chat", now - 400, "old") + asked("chat", now - 300, "older"))
