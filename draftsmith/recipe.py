@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -40,11 +39,12 @@ from draftsmith.recipe_checks import (
 )
 from draftsmith.recipe_input import (
     expand_home,
+    not_yaml,
     open_null_sections,
     parse_overrides,
     recipe_path,
     register_resolvers,
-    repeated_key,
+    require_plain_yaml,
     split_argv,
 )
 from draftsmith.recipe_schema import CHOICES, RecipeSchema, TrainSection
@@ -75,13 +75,11 @@ def parsed_recipe(path: str, text: str) -> DictConfig:
     """The recipe file `path` holding `text`, parsed (a test process or a monitor composes one recipe hundreds of
     times: YAML's pure-Python parser twice a time was a sixth of the time a recipe took); UserError on what is not
     a mapping of sections, or names a key twice. Callers copy what they change."""
+    require_plain_yaml(path, text)
     try:
-        repeated = repeated_key(yaml.compose(text, Loader=yaml.SafeLoader))
-        raw = None if repeated else OmegaConf.create(text)
-    except Exception as err:  # YAML syntax errors come from the yaml parser
-        raise UserError(f"recipe {path}: not valid YAML ({one_line(err, 200)})") from None
-    if repeated:
-        raise UserError(f"recipe {path}: {repeated}: give it once")
+        raw = OmegaConf.create(text)
+    except Exception as err:  # noqa: BLE001 - what OmegaConf refuses of YAML yaml reads
+        raise not_yaml(path, err) from None
     if not isinstance(raw, DictConfig):
         raise UserError(f"recipe {path}: top level must be a mapping of sections")
     return raw
@@ -266,11 +264,12 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
     config.check(shape)
     if resolve_bool_or_path(cfg.train.resume) is None:  # a resumed run's recipe is its own (resume_checks)
         config.check_read()
-    steps = getattr(config, "ttt_steps", None)  # a training-time test's: step k scores the token k + 2 ahead
+    ahead = config.POSITIONS_AHEAD
+    positions = getattr(config, ahead) if ahead else 0
     require(
-        steps is None or steps <= cfg.data.max_length - 2,
-        f"drafter.ttt_steps={steps} scores tokens past any row of data.max_length={cfg.data.max_length}: at most "
-        f"{cfg.data.max_length - 2} steps find a token to score",
+        positions <= cfg.data.max_length - 2,
+        f"drafter.{ahead}={positions} scores tokens past any row of data.max_length={cfg.data.max_length}: at most "
+        f"{cfg.data.max_length - 2} find a token to score",
     )
     require_draft_vocab_use(cfg, config, shape)
     check_chain(cfg, drafter_cls, config)

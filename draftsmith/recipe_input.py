@@ -95,6 +95,47 @@ def open_null_sections(cfg: DictConfig, key: str, value: Any) -> None:
         node = node[name]
 
 
+MAX_RECIPE_VALUES = 100_000  # a recipe holds a few hundred; YAML aliases of aliases hold billions in a kilobyte
+
+
+def require_plain_yaml(path, text: str) -> None:
+    """A one-line UserError where the recipe `text` read from `path` is not YAML, its aliases expand past
+    MAX_RECIPE_VALUES, or a mapping names a key twice (OmegaConf's loader names neither its section nor its line)."""
+    try:
+        composed = yaml.compose(text, Loader=yaml.SafeLoader)
+        # repeated_key walks every alias as often as it is used: only a recipe of a recipe's size
+        bomb = expanded_values(composed) > MAX_RECIPE_VALUES
+        repeated = None if bomb else repeated_key(composed)
+    except (yaml.YAMLError, RecursionError) as err:  # RecursionError: nested deeper than the parser recurses
+        raise not_yaml(path, err) from None
+    if bomb:
+        raise UserError(
+            f"recipe {path}: its YAML aliases expand to more than {MAX_RECIPE_VALUES:,} values: write them out"
+        )
+    if repeated:
+        raise UserError(f"recipe {path}: {repeated}: give it once")
+
+
+def not_yaml(path, err: Exception) -> UserError:
+    return UserError(f"recipe {path}: not valid YAML ({one_line(err, 200)})")
+
+
+def expanded_values(node, counted: Optional[dict[int, int]] = None) -> int:
+    """How many values the YAML `node` (yaml.compose's) holds once its aliases are expanded, each alias's node
+    counted once (`counted`: by node): YAML's billion laughs, ten aliases of ten aliases nine deep, pinned a core
+    for good while the recipe was read."""
+    counted = {} if counted is None else counted
+    if id(node) not in counted:
+        if isinstance(node, yaml.SequenceNode):
+            inner = sum(expanded_values(item, counted) for item in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            inner = sum(expanded_values(key, counted) + expanded_values(value, counted) for key, value in node.value)
+        else:
+            inner = 0
+        counted[id(node)] = 1 + inner
+    return counted[id(node)]
+
+
 def repeated_key(node, path: str = "") -> Optional[str]:
     """Where a mapping of the YAML `node` (yaml.compose's) names a key twice, as `a.b is given twice (lines
     4 and 6)`; None if none does. OmegaConf's loader refuses it, naming neither the section nor the line of

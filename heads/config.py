@@ -32,6 +32,9 @@ class DrafterConfig:
     # Keys naming released weights a fresh drafter starts from (a Hub id or folder): a warm start or a resume
     # starts from its own folder instead, so they fix nothing about the weights it loads.
     STARTS: ClassVar[tuple[str, ...]] = ()
+    # The key counting the positions ahead a training step scores, the k-th the token k + 2 ahead (a training-time
+    # test's steps, Medusa's heads): a row of data.max_length must hold them all (draftsmith/recipe.py)
+    POSITIONS_AHEAD: ClassVar[Optional[str]] = None
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         """Raise a one-line UserError for a bad setting. `target`: the target's shape when known."""

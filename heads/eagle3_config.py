@@ -27,6 +27,7 @@ BACKENDS = ("auto", "dense", "flex")
 @dataclass
 class Eagle3Config(DrafterConfig):
     type: str = "eagle3"  # the drafter kind (registry key)
+    POSITIONS_AHEAD = "ttt_steps"  # see DrafterConfig
     SETTINGS = ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk", "ttt_attention")  # see DrafterConfig
     SERVED = ("tree_depth", "tree_topk")
     # Target layers to fuse, our ids (output of layer i; vLLM id = ours + 1). None: EAGLE-3's default,

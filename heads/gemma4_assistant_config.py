@@ -23,6 +23,7 @@ TARGET_MODEL_TYPES = tuple(ASSISTANTS)
 @dataclass
 class AssistantConfig(DrafterConfig):
     type: str = "gemma4_assistant"  # the drafter kind (registry key)
+    POSITIONS_AHEAD = "ttt_steps"  # see DrafterConfig
     SETTINGS = ("ttt_steps", "ttt_decay")  # see DrafterConfig
     STARTS = ("released_assistant",)
     # A released assistant to start from (its folder, or a Hub id with a network): its configuration and weights;

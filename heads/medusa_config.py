@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 @dataclass
 class MedusaConfig(DrafterConfig):
     type: str = "medusa"  # the drafter kind (registry key)
+    POSITIONS_AHEAD = "num_heads"  # see DrafterConfig
     SETTINGS = ("loss_decay", "loss_weights", "init_lm_heads_from_target", "tree_topk")  # see DrafterConfig
     SERVED = ("tree_topk",)
     num_heads: int = 3  # heads, one per draft position: the longest chain

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 @dataclass
 class MtpConfig(DrafterConfig):
     type: str = "mtp"  # the drafter kind (registry key)
+    POSITIONS_AHEAD = "ttt_steps"  # see DrafterConfig
     SETTINGS = ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk")  # see DrafterConfig
     SERVED = ("tree_depth", "tree_topk")
     ttt_steps: int = 3  # training-time test: draft steps unrolled, each fed the previous step's output

@@ -34,6 +34,25 @@ def test_a_recipe_file_giving_a_key_twice_in_one_mapping_is_refused_naming_it_an
         load_recipe([f"recipe={sections}"])
 
 
+def test_a_recipe_whose_aliases_expand_past_any_recipe_is_refused_and_a_few_aliases_read(tmp_path):
+    """YAML's billion laughs (ten aliases of ten aliases, nine deep: 1 KB) pinned a core for good while the recipe
+    was read (four deep took 29 s): aliases expanding past 100,000 values are one line, at once; a few read."""
+    import time
+
+    shipped = (recipes_dir() / "medusa.yaml").read_text()
+    laughs = ["  a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    laughs += [f"  a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(shipped + "\nlaughs:\n" + "\n".join(laughs) + "\n")
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"bomb.yaml: its YAML aliases expand to more than 100,000 values: write them"):
+        load_recipe([f"recipe={bomb}"])
+    assert time.monotonic() - started < 10
+    aliased = tmp_path / "aliased.yaml"
+    aliased.write_text(shipped.replace("\ntrain:\n  lr: 2e-3\n", "\ntrain:\n  lr: &lr 2e-3\n  weight_decay: *lr\n"))
+    assert load_recipe([f"recipe={aliased}"]).train.weight_decay == 2e-3
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
