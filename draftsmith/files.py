@@ -68,7 +68,7 @@ def read_json(path: Path, what: str = "JSON", advice: str = "") -> Any:
         return json.loads(Path(path).read_text())
     except PermissionError:
         raise cannot_read(path) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:  # RecursionError: no stage nests so deep
         raise UserError(f"{path}: corrupt {what} ({one_line(err)})" + (f"; {advice}" if advice else "")) from None
 
 

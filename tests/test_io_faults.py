@@ -228,3 +228,12 @@ def test_a_push_with_the_hub_offline_is_refused_before_anything_is_written(check
     result = export(checkpoint, tmp_path, capsys, "export.push.repo_id=org/x")
     assert_one_line_error(result, 2, "export.push.repo_id=org/x pushes to the Hub, which HF_HUB_OFFLINE=1 forbids")
     assert not (tmp_path / "export").exists()
+
+
+def test_a_stage_file_nested_deeper_than_json_reads_is_corrupt(tmp_path):
+    """A state.json or a checkpoint's config.json edited into nesting a thousand levels deep was exit 70
+    (RecursionError): it is as corrupt as one cut short, one line naming it."""
+    nested = tmp_path / "state.json"
+    nested.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(UserError, match=r"state.json: corrupt monitor state \(maximum recursion depth exceeded"):
+        read_json(nested, "monitor state")
