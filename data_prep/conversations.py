@@ -171,7 +171,8 @@ def _refuse_lines_arrow_crashes_on(path: str) -> Optional[int]:
     parses (the file's first, or the first of any later 10 MiB batch of datasets' builder), and on JSON nested some
     10,000 levels deep: every line that is `null` is refused as the record it is, and one that opens MAX_NESTING
     arrays or objects in a row, before the builder reads the file. One more read of it, regular expressions over
-    16 MiB at a time (about a second a GB). The bytes read, decompressed; None where the file cannot be read."""
+    16 MiB at a time (2.9 s for 254 MiB on a 2-core AVX2 EPYC, a quarter of it the nesting). The bytes read,
+    decompressed; None where the file cannot be read."""
     opener = gzip.open if gzipped(path) else open
     lines, tail, size = 0, b"", 0  # lines before `tail`, the part line the last chunk ended in
     try:

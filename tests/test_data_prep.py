@@ -691,10 +691,11 @@ def test_a_key_that_first_appears_past_ten_megabytes_is_read(tmp_path, name):
     """datasets' JSON builder takes a file's columns from its first 10 MiB: a key first appearing later (a regenerated
     answer's `cut`, a `domain`, another field) was `cannot read FILE: DatasetGenerationError: An error occurred
     while generating the dataset`, exit 2, on valid data. It is read, every record as written."""
-    good = (json.dumps(GOOD) + "\n").encode()
-    count = (10 << 20) // len(good) + 100
-    late = {**GOOD, "domain": "code", "meta": {"x": 1}}
-    late["messages"] = [*GOOD["messages"][:-1], {**GOOD["messages"][-1], "cut": True}]
+    long = {"messages": [USER, {**ASSISTANT, "content": "x" * 20_000}]}  # few records: their checks cost the time
+    good = (json.dumps(long) + "\n").encode()
+    count = (10 << 20) // len(good) + 10
+    late = {**long, "domain": "code", "meta": {"x": 1}}
+    late["messages"] = [*long["messages"][:-1], {**long["messages"][-1], "cut": True}]
     data = good * count + (json.dumps(late) + "\n").encode()
     (tmp_path / name).write_bytes(gzip.compress(data, compresslevel=1) if name.endswith(".gz") else data)
     loaded = load_conversations([str(tmp_path / name)])
