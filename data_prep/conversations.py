@@ -151,7 +151,7 @@ def _load_file(
                 raise
             # datasets' JSON builder takes a file's columns from its first 10 MiB (its chunksize): a key that first
             # appears later (a regenerated answer's `cut`, a `domain`) failed its cast of the next 10 MiB. Read as
-            # one chunk, the columns are every record's (its memory: the file's, once)
+            # one chunk, the columns are every record's (its memory: the whole file parsed at once)
             with _quiet_builders():
                 whole = {"name": f"sha256-{content}-whole", "chunksize": size + 1}
                 dataset = datasets.load_dataset(reader, data_files=path, split="train", **whole)
@@ -196,7 +196,7 @@ def _refuse_line(path: str, text: bytes, lines: int) -> None:
         line = lines + text.count(b"\n", 0, found.start()) + 1
         raise UserError(f"{path}:{line}: a record that is null, not a JSON object")
     for number, line in enumerate(text.split(b"\n"), lines + 1):  # the pattern only where it can match: 10 times faster
-        if line.count(b"[") + line.count(b"{") >= MAX_NESTING and DEEP_NESTING.search(line):
+        if line.count(b"[") + line.count(b"{") >= MAX_NESTING and DEEP_NESTING.search(JSON_STRING.sub(b'""', line)):
             raise UserError(f"{path}:{number}: {DEEP}")
 
 
@@ -204,6 +204,7 @@ NULL_LINE = re.compile(rb"^(?:\xef\xbb\xbf)?[ \t]*null[ \t\r]*,?[ \t\r]*$", re.M
 MAX_NESTING = 500  # no conversation nests so deep; pyarrow crashes near 10,000, Python's JSON parser stops near 1,000
 # MAX_NESTING arrays or objects opened in a row, a key before each (the way a chain of nesting is written)
 DEEP_NESTING = re.compile(rb'(?:[\[{][ \t\r\n]*(?:"[^"\n]*"[ \t\r\n]*:[ \t\r\n]*)?){%d}' % MAX_NESTING)
+JSON_STRING = re.compile(rb'"(?:[^"\\\n]|\\.)*"')  # brackets inside a string (a message's text) nest nothing
 DEEP = f"JSON nested more than {MAX_NESTING} levels deep, which no conversation is"
 
 

@@ -268,8 +268,8 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
     positions = getattr(config, ahead) if ahead else 0
     require(
         positions <= cfg.data.max_length - 2,
-        f"drafter.{ahead}={positions} scores tokens past any row of data.max_length={cfg.data.max_length}: at most "
-        f"{cfg.data.max_length - 2} find a token to score",
+        f"drafter.{ahead}={positions} scores tokens past any row of data.max_length={cfg.data.max_length}: set it to "
+        f"{cfg.data.max_length - 2} or less",
     )
     require_draft_vocab_use(cfg, config, shape)
     check_chain(cfg, drafter_cls, config)

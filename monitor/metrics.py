@@ -18,6 +18,7 @@ of the engine serving, which a check compares with the one the export was checke
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import urllib.error
@@ -54,6 +55,9 @@ def get(url: str) -> Optional[str]:
     try:
         with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
             body = response.read(MAX_BODY_BYTES + 1)
+            missing = response.length if len(body) <= MAX_BODY_BYTES else None  # of the Content-Length it announced
+        if missing:  # a read of at most so many bytes returns what came before the connection closed, unsaid
+            raise http.client.IncompleteRead(body, missing)
     except urllib.error.HTTPError as err:
         if err.code == 404:
             return None
@@ -62,7 +66,7 @@ def get(url: str) -> Optional[str]:
         raise UserError(f"{url} answered HTTP {err.code} {one_line(err.reason)}: check monitor.metrics") from None
     except ValueError as err:  # not a URL urllib can fetch
         raise UserError(f"cannot scrape {url}: {one_line(err)}") from None
-    except (urllib.error.URLError, OSError) as err:  # refused, unreachable, timed out
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as err:  # refused, unreachable, timed out, cut
         raise EngineUnavailable(f"cannot scrape {url}: {one_line(getattr(err, 'reason', err))}") from None
     if len(body) > MAX_BODY_BYTES:
         raise UserError(

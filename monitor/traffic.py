@@ -95,7 +95,7 @@ def read_requests(
             if err.errno not in (errno.ENOENT, errno.ELOOP):
                 raise
             raise UserError(f"monitor.traffic: cannot read {path}: {err.strerror} (a link to no file)") from None
-        if path.stat().st_mtime < written_after:
+        if os.fstat(stream.fileno()).st_mtime < written_after:  # the file opened, whatever renamed its path since
             stream.close()
             continue
         too_long = []

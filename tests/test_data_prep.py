@@ -675,7 +675,8 @@ def test_a_null_record_is_one_line_not_a_crash(tmp_path, name, content, line):
 def test_json_nested_too_deep_is_one_line_not_a_crash(tmp_path, depth, keyed):
     """A record holding JSON nested 10,000 levels deep crashed the process in pyarrow's reader (SIGSEGV, exit 139,
     no line, the run's lock left); 5,000 was exit 70 (RecursionError in draftsmith's own diagnosis). Nesting past
-    500 levels is refused naming its line, keyed objects as well as arrays; nesting within it reads."""
+    500 levels is refused naming its line, keyed objects as well as arrays; nesting within it reads, as do brackets
+    in a string."""
     opened = '{"a": ' * depth + "1" + "}" * depth if keyed else "[" * depth + "]" * depth
     good = json.dumps(GOOD)
     (tmp_path / "deep.jsonl").write_text(f'{good}\n{good[:-1]}, "meta": {opened}}}\n')
@@ -683,6 +684,9 @@ def test_json_nested_too_deep_is_one_line_not_a_crash(tmp_path, depth, keyed):
         load_conversations([str(tmp_path / "deep.jsonl")])
     (tmp_path / "fine.jsonl").write_text(f'{good}\n{good[:-1]}, "meta": {"[" * 50 + "1" + "]" * 50}}}\n')
     assert len(load_conversations([str(tmp_path / "fine.jsonl")])) == 2
+    brackets = {"messages": [USER, {**ASSISTANT, "content": '[{"\\"' * 600}]}  # in a string: text, no nesting
+    (tmp_path / "text.jsonl").write_text(json.dumps(brackets) + "\n")
+    assert load_conversations([str(tmp_path / "text.jsonl")])[0]["messages"][1]["content"] == '[{"\\"' * 600
 
 
 @pytest.mark.slow

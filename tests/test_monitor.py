@@ -176,6 +176,7 @@ class Answers(http.server.BaseHTTPRequestHandler):
     BODIES = {
         "html": "<html><body><h1>502 Bad Gateway</h1></body></html>",
         "huge": "# HELP a_log_not_metrics x\n" * 50_000,
+        "short": "# HELP vllm:spec_decode_num_drafts_total x\n",
         "cut": 'vllm:spec_decode_num_drafts_total{model_name="demo",engine="0"} 10.0\nvllm:spec_decode_num_dr',
         "version": '{"version": "0.33.0"}',
         "not_a_version": '{"version": "garbage"}',
@@ -200,6 +201,8 @@ class Answers(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         _, status, body, *_ = self.path.split("/")
         self.send_response(int(status))
+        if body == "short":  # a body cut off: the connection closes before the bytes it announced
+            self.send_header("Content-Length", "5000")
         self.end_headers()
         self.wfile.write(self.BODIES[body].encode())
 
@@ -209,7 +212,8 @@ class Answers(http.server.BaseHTTPRequestHandler):
 
 def test_a_bad_scrape_is_one_line_and_a_failing_engine_is_temporary(monkeypatch):
     """An HTML page, a body cut off mid-line or one past the size cap is bad input (one line, no traceback); a refused
-    connection or a 5xx (a proxy in front of a dead engine) is EngineUnavailable: exit 69, retry."""
+    connection, a 5xx (a proxy in front of a dead engine) or a body shorter than it announced is EngineUnavailable:
+    exit 69, retry."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
     serve_in_thread(server)
     base = f"http://127.0.0.1:{server.server_port}"
@@ -226,6 +230,8 @@ def test_a_bad_scrape_is_one_line_and_a_failing_engine_is_temporary(monkeypatch)
                 collect([base + "/200/huge"])
         with pytest.raises(EngineUnavailable, match="HTTP 502"):
             collect([base + "/502/html"])
+        with pytest.raises(EngineUnavailable, match=r"cannot scrape .*/200/short: IncompleteRead\(43 bytes read"):
+            collect([base + "/200/short"])  # a page cut off between lines was taken as the whole
     finally:
         server.shutdown()
         server.server_close()

@@ -237,7 +237,7 @@ def test_a_resumed_runs_folder_that_cannot_be_written_in_is_one_line_before_anyt
             "drafter.loss_decay=0.5 is read only with drafter.loss_weights=null, and this recipe's is [1.0, 1.0, 1.0]",
         ),
         (["recipe=draft", "drafter.mix_weights=[1,1,1]"], "mix_weights=[1.0, 1.0, 1.0] is read only with drafter.loss"),
-        (["recipe=mtp", "data.max_length=64", "drafter.ttt_steps=63"], "at most 62 find a token to score"),
+        (["recipe=mtp", "data.max_length=64", "drafter.ttt_steps=63"], "data.max_length=64: set it to 62 or less"),
         # Medusa's heads alike: head 63 scored no token of a 64-token row, and its no gradient was exit 70
         (["recipe=medusa", "data.max_length=64", "drafter.num_heads=63"], "drafter.num_heads=63 scores tokens past"),
         (["recipe=eagle", "drafter.num_layers=0"], "drafter.num_layers must be >= 1"),
