@@ -313,14 +313,13 @@ def _tokenize_batch(
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "domain": [], "length": [], "sample": [], "digest": []}
     count = len(batch["messages"])
     domains = batch.get("domain") or [DEFAULT_DOMAIN] * count
-    cut_to = max_length if overlong == "truncate" else None  # drop and error read each row's whole length
     for row in range(count):
         where = _where(batch, row, indices[row])
         digest = turns_digest(batch["messages"][row])
         stats["duplicate_conversations"] += digest in seen
         seen.add(digest)
         try:
-            rendered = render_rows(tokenizer, batch["messages"][row], thinking, cut_to)
+            rendered = render_rows(tokenizer, batch["messages"][row], thinking, max_length)
         except UserError as err:
             raise UserError(f"{where}: {err}") from None
         stats["split_into_turns"] += len(rendered) > 1
@@ -334,7 +333,7 @@ def _tokenize_batch(
             if cut:
                 if overlong == "error":
                     raise UserError(
-                        f"{where}: {len(ids)} tokens is more than data.max_length={max_length} (raise it, or set "
+                        f"{where}: longer than data.max_length={max_length} tokens (raise it, or set "
                         "data.overlong=truncate or drop)"
                     )
                 if overlong == "drop":

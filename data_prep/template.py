@@ -30,6 +30,10 @@ from draftsmith.errors import UserError
 Message = dict[str, Any]
 Row = tuple[list[int], list[int]]  # token ids and the 0/1 loss mask
 THINKING = ("train", "mask")
+# A row cut to k tokens is encoded from the text's first 64·(k + 1) characters at first, far more than any tokenizer's
+# tokens hold on real text: one answer of tens of megabytes took gigabytes to encode whole (88 MB aborted the
+# process in the tokenizer's allocator), every token past the cut thrown away
+CHARACTERS_PER_KEPT_TOKEN = 64
 
 
 class NotPrefixStable(Exception):
@@ -61,9 +65,10 @@ def render_rows(
     """The conversation as training rows: one (`render_with_masks`) where the template is prefix-stable;
     else one row per assistant turn, the conversation up to that turn as the template renders it last
     (what the model is shown when it generates the turn), only that turn in the mask. `kept_tokens`: the rows are
-    cut to that many tokens (data.overlong=truncate), so a prefix-stable conversation's turns that begin past them
+    cut to that many tokens (data.max_length), so a prefix-stable conversation's turns that begin past them
     are neither rendered on their own nor checked (each turn's prefix is rendered once more: a conversation of
-    thousands of short turns took minutes, its tokens past the cut thrown away)."""
+    thousands of short turns took minutes, its tokens past the cut thrown away), and a row far longer than that
+    holds its first kept_tokens + 1 tokens only (`_encode_kept`): one more than kept says it was longer."""
     messages = checked(messages, thinking)
     try:
         return [_whole(tokenizer, messages, thinking, kept_tokens)]
@@ -75,7 +80,10 @@ def render_rows(
         prompt = _render(tokenizer, messages[:index], add_generation_prompt=True)
         try:
             rows.append(
-                _masked(_encode(tokenizer, text), _turn_spans(tokenizer, messages, index, text, prompt, thinking))
+                _masked(
+                    _encode_kept(tokenizer, text, kept_tokens),
+                    _turn_spans(tokenizer, messages, index, text, prompt, thinking),
+                )
             )
         except NotPrefixStable:
             raise UserError(
@@ -96,7 +104,7 @@ def _whole(tokenizer, messages: list[Message], thinking: str, kept_tokens: Optio
     one is context: `answered_turns`), up to the turns that begin past its first `kept_tokens` tokens (None: all);
     NotPrefixStable where it cannot be."""
     full = _render(tokenizer, messages, add_generation_prompt=False)
-    encoded = _encode(tokenizer, full)
+    encoded = _encode_kept(tokenizer, full, kept_tokens)
     ids, offsets = encoded
     # a turn whose prompt ends past where the last token kept begins has no token in the row kept (a token the
     # tokenizer adds is (0, 0), of no text); uncut, every turn has
@@ -287,6 +295,24 @@ def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
             f"tokenizer of {_name(tokenizer)} gives no character offsets; a fast (tokenizers) tokenizer is needed"
         ) from None
     return list(encoding["input_ids"]), [tuple(offset) for offset in encoding["offset_mapping"]]
+
+
+def _encode_kept(tokenizer, text: str, kept_tokens: Optional[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """`_encode(text)`; with `kept_tokens`, of a text longer than CHARACTERS_PER_KEPT_TOKEN·(kept_tokens + 1)
+    characters only its first kept_tokens + 1 tokens, read from a prefix of it. A prefix's last tokens may differ
+    from the whole text's (a word cut in two), so the prefix doubles until two cuts of the text agree on those
+    tokens, each cut holding more of them (the last token a tokenizer may add, an EOS, is past them); a text whose
+    cuts never agree is encoded whole."""
+    if kept_tokens is not None:
+        wanted = kept_tokens + 1
+        length, shorter = CHARACTERS_PER_KEPT_TOKEN * wanted, None
+        while length < len(text):
+            ids, offsets = _encode(tokenizer, text[:length])
+            if len(ids) > wanted and shorter is not None and shorter[0][:wanted] == ids[:wanted]:
+                return ids[:wanted], offsets[:wanted]
+            shorter = (ids, offsets) if len(ids) > wanted else None
+            length *= 2
+    return _encode(tokenizer, text)
 
 
 def _name(tokenizer) -> str:

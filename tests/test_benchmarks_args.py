@@ -534,3 +534,13 @@ def test_a_misspelt_name_in_a_benchmarks_list_is_refused_before_any_work(name, a
     counts for. Each is one line at parse, exit 2 (benchmarks/names.py)."""
     result = exits(benchmark(name, monkeypatch).main, argv, monkeypatch, capsys)
     assert_one_line_error(result, 2, fragment, prefix="script: error: ")
+
+
+def test_long_rows_measures_a_cut_row_beside_the_whole_text(monkeypatch, capsys):
+    """docs/faults.md's figures for an answer of megabytes: the cut row holds data.max_length + 1 tokens, the whole
+    text all of them; refused sizes stop before any process starts."""
+    long_rows = benchmark("long_rows", monkeypatch)
+    cut, whole = long_rows.measured(0.02, 16), long_rows.measured(0.02, None)
+    assert cut["tokens"] == 17 < 1000 < whole["tokens"] and cut["peak_rss_gb"] > 0
+    refused = exits(long_rows.main, ["--megabytes", "0"], monkeypatch, capsys)
+    assert refused.returncode == 2 and "--megabytes must be above 0" in refused.stderr

@@ -121,6 +121,29 @@ def test_a_conversation_of_thousands_of_turns_renders_only_the_turns_a_truncated
     assert len(renders) < 20 and any(cut_mask[:64])
 
 
+def test_an_answer_of_megabytes_is_encoded_only_as_far_as_the_row_keeps(reference_tokenizer, monkeypatch):
+    """One answer of tens of megabytes was encoded whole before data.max_length cut its row (20 MB: 45 s and 4 GB;
+    88 MB aborted the process in the tokenizer's allocator). A row cut to k tokens is read from a prefix of the text
+    now, doubled until two cuts agree on its first k + 1 tokens: the same tokens and mask as the whole text's, for
+    words, multi-byte characters and one word of 200,000 characters, from a quarter of the text or less."""
+    import random
+
+    import draftsmith.data_prep.template as template
+
+    encoded, real = [], template._encode
+    monkeypatch.setattr(template, "_encode", lambda tokenizer, text: encoded.append(len(text)) or real(tokenizer, text))
+    words = random.Random(0).choices(["alpha", "béta", "🙂", "gamma\n", "x" * 300], k=6000)
+    for answer in (" ".join(words), "ab" * 100_000 + " end"):
+        messages = [{"role": "user", "content": "Summarise."}, {"role": "assistant", "content": answer}]
+        ids, mask = render_rows(reference_tokenizer, messages)[0]
+        for kept in (1, 17, 64, 300):
+            encoded.clear()
+            (cut_ids, cut_mask), *more = render_rows(reference_tokenizer, messages, kept_tokens=kept)
+            assert not more and len(cut_ids) == kept + 1, kept
+            assert (cut_ids, cut_mask) == (ids[: kept + 1], mask[: kept + 1]), kept
+            assert max(encoded) < len(answer) / 4, (kept, encoded)
+
+
 def llama3_tokenizer(eos: str):
     tokenizer = load_tokenizer(str(REFERENCE))
     tokenizer.add_special_tokens(
@@ -1026,7 +1049,7 @@ def test_overlong_policies(tmp_path, reference_tokenizer):
     assert len(full[0][0]) <= max_length < len(full[1][0]) and len(full[2][0]) > max_length
     cache = str(tmp_path / "cache")
 
-    with pytest.raises(UserError, match=r"c\.jsonl record 2: \d+ tokens is more than data.max_length=60"):
+    with pytest.raises(UserError, match=r"c\.jsonl record 2: longer than data.max_length=60 tokens"):
         tokenize_conversations(conversations, reference_tokenizer, max_length, overlong="error", cache_dir=cache)
 
     truncated = tokenize_conversations(
