@@ -273,10 +273,25 @@ def _run(main: Callable[[Sequence[str]], object], argv: list[str], command: str)
         if isinstance(err, KeyboardInterrupt):
             print(f"interrupted: {err}" if str(err) else "interrupted", file=sys.stderr)  # with a command's advice
             return EXIT_INTERRUPTED
-        code, line = outcome(err, command)
+        release_locals(err)
+        try:
+            code, line = outcome(err, command)
+        except MemoryError:  # deciding takes memory too (an import, a log file): none left is this job's size
+            code, line = EXIT_OUT_OF_MEMORY, out_of_memory_line(err, command)
         print(line, file=sys.stderr)
         return code
     return 0
+
+
+def release_locals(err: BaseException) -> None:
+    """Let go of what the failed work's frames held (a model half built, a batch), which its traceback and those of
+    the errors it was raised from kept alive: memory exhausted by ten million modules stayed exhausted while the exit
+    code was decided, whose own import then failed (exit 1, three tracebacks). A traceback is still written from
+    them: it names code and lines, not values."""
+    link: BaseException | None = err
+    while link is not None:
+        traceback.clear_frames(link.__traceback__)  # the frame still running (this one's caller) is left as it is
+        link = link.__cause__ or link.__context__
 
 
 def stop_behind(err: BaseException) -> KeyboardInterrupt | Preempted | None:
@@ -322,12 +337,7 @@ def outcome(err: BaseException, command: str = "") -> tuple[int, str]:
         if isinstance(err, cls):
             return code, f"{prefix}: {one_line(err, limit=2000)}"
     if out_of_memory(err):  # the job's size, not draftsmith: the most common failure of a GPU run
-        return EXIT_OUT_OF_MEMORY, (
-            f"out of memory: {one_line(err)}; give each step less (a smaller train.micro_batch_size with a larger "
-            "train.grad_accum keeps the step; a shorter data.max_length; fewer eval.batch_sizes or "
-            "data.regenerate.batch_size), or more memory (target.shard=fsdp over several GPUs), and "
-            f"{how_to_continue(command)}"
-        )
+        return EXIT_OUT_OF_MEMORY, out_of_memory_line(err, command)
     if isinstance(err, PermissionError):  # a path the user gave that this user may not use: fix it, no retry helps
         where = f"cannot access {os.fsdecode(err.filename)}" if err.filename else "cannot access a file"  # bytes too
         return EXIT_USER_ERROR, f"error: {where}: permission denied; fix its permissions or give another path"
@@ -337,6 +347,16 @@ def outcome(err: BaseException, command: str = "") -> tuple[int, str]:
     return (
         EXIT_INTERNAL,
         f"internal error (a draftsmith bug, please report it): {one_line(err, with_type=True)}; {traceback_kept(err)}",
+    )
+
+
+def out_of_memory_line(err: BaseException, command: str) -> str:
+    """Exit 71's line: what failed (its class where it says nothing: Python's MemoryError) and what to give less of."""
+    return (
+        f"out of memory: {one_line(err) or type(err).__name__}; give each step less (a smaller "
+        "train.micro_batch_size with a larger train.grad_accum keeps the step; a shorter data.max_length; fewer "
+        "eval.batch_sizes or data.regenerate.batch_size), or more memory (target.shard=fsdp over several GPUs), and "
+        f"{how_to_continue(command)}"
     )
 
 
@@ -373,35 +393,6 @@ def storage_reason(number: int, path: str | os.PathLike | None, named: bool = Tr
     left = space_left(path) if path and number == errno.ENOSPC else None
     details = ([os.fsdecode(path)] if path and named else []) + ([left] if left else [])
     return os.strerror(number).lower() + (f" ({', '.join(details)})" if details else "")
-
-
-# what a file system answers a write with when the disk or the permissions, not the data, are at fault
-WRITE_REFUSED_ERRNOS = STORAGE_ERRNOS | {errno.EACCES, errno.EPERM}
-
-
-def storage_fault(err: BaseException) -> OSError | None:
-    """The OSError of the disk or of permissions (WRITE_REFUSED_ERRNOS) that `err` is or was raised from (a library
-    wraps its own: datasets' DatasetGenerationError), or None."""
-    link: BaseException | None = err
-    while link is not None and not (isinstance(link, OSError) and link.errno in WRITE_REFUSED_ERRNOS):
-        link = link.__cause__ or link.__context__
-    return link
-
-
-def cache_fault(fault: OSError, what: str, cache: str | os.PathLike, setting: str) -> Exception:
-    """The line for a write into a cache that `fault` (`storage_fault`) refused, naming the cache (`what`, at `cache`)
-    and the `setting` that moves it (an environment variable or a recipe key): a cache is often on another disk than
-    the input and the output, and its writers' errors name no file, or one inside it. A full or failing disk is
-    CacheWriteFailed (exit 74) with the room left there, its command's advice added by `outcome`; a read-only one or
-    permissions bad input (exit 2)."""
-    named = f"{what} {cache} ({setting})"
-    if fault.errno in STORAGE_ERRNOS and fault.errno != errno.EROFS:
-        reason = storage_reason(fault.errno, cache, named=False)
-        return CacheWriteFailed(
-            f"could not write {named}: {reason}; free space there (or fix the disk), or set {setting} to a folder "
-            "on another disk"
-        )
-    return UserError(f"{named} cannot be written: {fault.strerror}; set {setting} to a folder you can write")
 
 
 def hub_unreachable(err: BaseException) -> bool:

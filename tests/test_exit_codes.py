@@ -200,6 +200,40 @@ def test_out_of_memory_exits_71_with_what_to_lower(raised, checkpoint, tmp_path,
     assert "train.micro_batch_size" in line and "run the same command again to continue" in line
 
 
+def test_memory_exhausted_while_the_outcome_is_decided_is_still_71(checkpoint, tmp_path, monkeypatch, capsys):
+    """A checkpoint whose config.json asked for ten million heads exhausted the heap as the drafter was built (a
+    SystemError from torch's ModuleList); the traceback kept the half-built modules alive, and deciding the exit code
+    imported huggingface_hub, which raised MemoryError: exit 1 and three tracebacks. What the failed work held is let
+    go first, and memory still exhausted there is exit 71's line, for the error that ended the work."""
+    import weakref
+
+    import draftsmith.export.run as run
+
+    held = []
+
+    class HalfBuilt:
+        pass
+
+    def exhausts(*args, **kwargs):
+        modules = HalfBuilt()
+        held.append(weakref.ref(modules))
+        raise SystemError("error return without exception set")
+
+    def no_memory_left(err):
+        assert held and held[0]() is None  # the failed work's locals went before the exit code was decided
+        raise MemoryError
+
+    monkeypatch.setattr(run, "serving_gamma", exhausts)
+    monkeypatch.setattr(errors, "hub_unreachable", no_memory_left)
+    result = export(checkpoint, tmp_path, capsys)
+    line = assert_one_line_error(result, 71, prefix="out of memory: error return without exception set; ")
+    assert "run the same command again to continue" in line
+
+    monkeypatch.setattr(run, "serving_gamma", lambda *args, **kwargs: (_ for _ in ()).throw(MemoryError()))
+    monkeypatch.setattr(errors, "hub_unreachable", lambda err: False)
+    assert_one_line_error(export(checkpoint, tmp_path, capsys), 71, prefix="out of memory: MemoryError; give each")
+
+
 def test_an_eval_whose_report_would_land_inside_its_checkpoint_is_refused(checkpoint, capsys):
     """`checkpoint=X output_dir=X` wrote eval/ into the checkpoint, changing the sha256 the report names it by: the
     export then refused the report as of other weights, and its advice (evaluate it) did the same again."""
