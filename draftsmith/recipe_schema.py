@@ -170,8 +170,8 @@ class TrainSection:
     # the device's peak FLOP/s in TFLOP/s, per process, for train/mfu in the log (trainer/observe.py): e.g. 989 for
     # an H100 SXM's dense bf16 tensor cores; null = MFU not reported (draftsmith never guesses a device's peak)
     peak_tflops: Optional[float] = None
-    # [first, last]: torch.profiler over optimizer steps first..last (1-based), a Chrome trace written to
-    # output_dir/profile/ (trainer/observe.py); null = no profiling
+    # [first, last]: torch.profiler over optimizer steps first..last (1-based, at most 20 steps), a Chrome trace
+    # written to output_dir/profile/ (trainer/observe.py); null = no profiling
     profile_steps: Optional[List[int]] = None
     # MiB of [rows, vocabulary] float32 logits a vocabulary loss holds at once (heads/vocab_loss.py: every kind's
     # but DFlash's, the draft model's and Medusa-2's divergences too); larger chunks mean fewer, bigger GEMMs

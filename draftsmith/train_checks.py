@@ -16,6 +16,10 @@ from draftsmith.recipe_checks import (
     resolve_bool_or_path,
 )
 
+# the longest range train.profile_steps may name: a trace of a few steps shows a step's parts, and the profiler keeps
+# every step's events in memory until it writes them
+MAX_PROFILED_STEPS = 20
+
 
 def check_train(train, data, trains: bool = True) -> None:
     """The `train` section, and its settings that depend on the `data` section; what only a command that
@@ -71,6 +75,12 @@ def check_train(train, data, trains: bool = True) -> None:
     require(
         steps is None or (len(steps) == 2 and 1 <= steps[0] <= steps[1]),
         f"train.profile_steps={steps} must be [first, last] optimizer steps with 1 <= first <= last, or null",
+    )
+    require(  # [1, 120] ran out of memory at step 88 on the 5M-parameter demo drafter, then crashed (SIGSEGV)
+        steps is None or steps[1] - steps[0] < MAX_PROFILED_STEPS,
+        f"train.profile_steps={steps} profiles {steps[1] - steps[0] + 1 if steps else 0} steps: the profiler holds "
+        "every step's events in memory until its trace is written (about 25 MB a step of the demo drafter, more a "
+        f"larger model): profile at most {MAX_PROFILED_STEPS}",
     )
     require(  # the run ended with nothing profiled, and no word; a resumed run's recipe is its own
         not trains or steps is None or train.max_steps == -1 or steps[0] <= train.max_steps or resume is not None,

@@ -89,6 +89,7 @@ def test_bad_overrides_are_user_errors(override, fragment):
         ),
         ("train.max_steps=-5", "train.max_steps=-5 must be >= 1, or -1"),
         ("train.max_steps=2 train.profile_steps=[5,10]", "train.profile_steps=[5, 10] starts after the run's last"),
+        ("train.profile_steps=[1,120]", "train.profile_steps=[1, 120] profiles 120 steps: the profiler holds every"),
         ("train.micro_batch_size=0", "train.micro_batch_size=0 must be >= 1"),
         ("output_dir=/proc/xx", "output_dir='/proc/xx' cannot be created"),
         # every section's ranges
