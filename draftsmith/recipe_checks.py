@@ -35,6 +35,10 @@ def require_at_least_one(section, prefix: str, *keys: str) -> None:
 
 # numpy's seeds (accelerate's set_seed seeds numpy with train.seed): one outside failed in its call, exit 70
 SEED_RANGE = range(2**32)
+# the highest load `draftsmith sweep` measures (vLLM's largest default max_num_seqs), and the most requests a level
+# serves for each method and γ (a level of 10^5 was 200,000 requests, a dozen times over)
+MAX_SWEEP_CONCURRENCY = 1024
+MAX_LEVEL_REQUESTS = 100_000
 
 
 def require_seed(value: int, key: str) -> None:
@@ -207,6 +211,19 @@ def check_export(export) -> None:
         min(sweep.requests_per_slot, sweep.min_requests) >= 0 and max(sweep.requests_per_slot, sweep.min_requests) >= 1,
         f"export.sweep.requests_per_slot={sweep.requests_per_slot} and min_requests={sweep.min_requests} must be >= 0, "
         "one of them >= 1: a level of no requests measures nothing",
+    )
+    levels = list(sweep.concurrency)
+    require(  # the engine's max_num_seqs is set to the highest level; 10^9 built its requests after the engine started
+        bool(levels) and 1 <= min(levels) and max(levels) <= MAX_SWEEP_CONCURRENCY,
+        f"export.sweep.concurrency={levels} must list integers from 1 to {MAX_SWEEP_CONCURRENCY}, at least one (the "
+        "requests in flight at once: speculation pays at the low ones)",
+    )
+    requests = max(sweep.min_requests, sweep.requests_per_slot * max(levels))
+    require(
+        requests <= MAX_LEVEL_REQUESTS,
+        f"export.sweep's concurrency {max(levels)} serves {requests} requests (max(min_requests={sweep.min_requests}, "
+        f"requests_per_slot={sweep.requests_per_slot} x concurrency)) for each method and γ: at most "
+        f"{MAX_LEVEL_REQUESTS} a level",
     )
     require(
         sweep.cpu_threads is None or sweep.cpu_threads >= 1,

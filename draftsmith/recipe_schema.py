@@ -257,7 +257,7 @@ class SweepSection:
     on the eval prompts (export/sweep.py); export.batch_sweep reads the sweep.jsonl it writes."""
 
     output: Optional[str] = None  # default <output_dir>/sweep: sweep.jsonl, summary.json, speedup.png, export/
-    concurrency: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])  # requests in flight, a level each
+    concurrency: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])  # requests in flight: 1 to 1024
     # the drafter's γ served at every level; null: 1 up to the longest chain it proposes, at most 5
     gammas: Optional[List[int]] = None
     ngram: bool = True  # vLLM's n-gram proposer (prompt lookup of 2-4 tokens) at every γ too, for comparison

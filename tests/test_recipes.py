@@ -128,6 +128,10 @@ def test_bad_overrides_are_user_errors(override, fragment):
         # passed to the engine's start: a level of no requests, OMP_NUM_THREADS=-1
         ("export.sweep.requests_per_slot=0 export.sweep.min_requests=0", "a level of no requests measures nothing"),
         ("export.sweep.cpu_threads=-1", "export.sweep.cpu_threads=-1 must be >= 1, or null"),
+        ("export.sweep.concurrency=[]", "export.sweep.concurrency=[] must list integers from 1 to 1024, at least one"),
+        ("export.sweep.concurrency=[0,4]", "export.sweep.concurrency=[0, 4] must list integers from 1 to 1024"),
+        ("export.sweep.concurrency=[1,100000]", "export.sweep.concurrency=[1, 100000] must list integers from 1 to"),
+        ("export.sweep.min_requests=1000000", "serves 1000000 requests (max(min_requests=1000000, requests_per_slot"),
         # finite, but AdamW's first step (lr / (1 - beta1)) is beyond float32: it failed in that step (exit 70)
         ("train.lr=1e38", "train.lr=1e+38 is beyond float32: AdamW's first step"),
         # a seed numpy does not take (accelerate's set_seed seeds it): it failed in that call (exit 70)

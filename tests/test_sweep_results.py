@@ -158,7 +158,7 @@ def test_a_sweep_output_in_an_export_or_the_checkpoint_is_refused_before_anythin
     assert not (checkpoint / "sweep").exists()
 
 
-@pytest.mark.parametrize("levels", ["[0]", "[-2,4]"])
+@pytest.mark.parametrize("levels", ["[0]", "[-2,4]", "[1,100000]"])
 def test_a_bad_concurrency_is_named_not_the_gammas(target, tmp_path, capsys, levels):
     checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
     result = run_entry_in_process(["-m", "export.sweep", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}",
