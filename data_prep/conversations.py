@@ -26,6 +26,8 @@ from draftsmith.errors import HubUnavailable, UserError, one_line
 from draftsmith.model_files import endpoint_out_of_reach
 
 logger = logging.getLogger("draftsmith.data")
+# a folder or glob of more files than this is one line, not a line a file (a sharded dump of 100,000 files)
+FILES_LOGGED_ONE_BY_ONE = 10
 
 
 def load_conversations(
@@ -56,13 +58,18 @@ def load_conversations(
         raise UserError(f"data.max_conversations={max_conversations} must be at least 1 (or null for all)")
     parts = []
     for source in sources:
-        for name, loader in _expand(str(source), skip_invalid_utf8, digests):
+        loaders = _expand(str(source), skip_invalid_utf8, digests)
+        for name, loader in loaders:
             dataset = loader()
             if max_conversations is not None and len(dataset) > max_conversations:
                 dataset = dataset.select(range(max_conversations))
             parts.append(_normalize_utf8(dataset, name, prompts_only, skip_invalid_utf8))
-            logger.info("loaded %d conversations from %s", len(parts[-1]), name)
+            if len(loaders) <= FILES_LOGGED_ONE_BY_ONE:
+                logger.info("loaded %d conversations from %s", len(parts[-1]), name)
             warn_of_turn_order_oddities(parts[-1], name)
+        if len(loaders) > FILES_LOGGED_ONE_BY_ONE:
+            read = sum(len(part) for part in parts[-len(loaders) :])
+            logger.info("loaded %d conversations from %d files of %s", read, len(loaders), source)
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 

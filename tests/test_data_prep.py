@@ -610,6 +610,22 @@ def test_globs_directories_and_per_file_cap(tmp_path):
     assert len(load_conversations([str(first), str(second)])) == 4
 
 
+def test_a_folder_of_many_files_is_one_line_of_the_log(tmp_path, caplog):
+    """A sharded dump of 500 one-record files logged 500 lines before training, every start: past 10 files a folder or
+    glob is one line; up to 10 each file has its own."""
+    many, few = tmp_path / "many", tmp_path / "few"
+    for folder, count in ((many, 12), (few, 2)):
+        folder.mkdir()
+        for index in range(count):
+            write_jsonl(folder / f"part-{index:02d}.jsonl", RECORDS[:1])
+    caplog.set_level(logging.INFO, logger="draftsmith.data")
+    assert len(load_conversations([str(many), str(few)])) == 14
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("loaded ")]
+    assert lines == [f"loaded 12 conversations from 12 files of {many}"] + [
+        f"loaded 1 conversations from {few / name}" for name in ("part-00.jsonl", "part-01.jsonl")
+    ]
+
+
 def test_hub_ids_go_through_load_dataset(monkeypatch):
     calls = []
 
