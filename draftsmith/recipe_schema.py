@@ -81,8 +81,8 @@ class RegenerateSection:
     top_p: float = 1.0  # nucleus sampling when temperature > 0
     batch_size: int = 8  # conversations per part file, generated together (vllm: use hundreds)
     seed: int = 0  # sampling seed (temperature > 0)
-    # answers written per conversation, each its own seeded draw (needs temperature > 0): more of the
-    # target's answers to the same prompts
+    # answers written per conversation, each its own seeded draw (needs temperature > 0; at most 1000): more of
+    # the target's answers to the same prompts
     samples: int = 1
     # conversations with fewer assistant turns answered (as given, or once data.max_length cuts them) are not
     # written; 2 (with max_turns null): the later turns of conversations whose first turns a max_turns=1

@@ -128,6 +128,10 @@ def test_bad_overrides_are_user_errors(override, fragment):
         # passed to the engine's start: a level of no requests, OMP_NUM_THREADS=-1
         ("export.sweep.requests_per_slot=0 export.sweep.min_requests=0", "a level of no requests measures nothing"),
         ("export.sweep.cpu_threads=-1", "export.sweep.cpu_threads=-1 must be >= 1, or null"),
+        (
+            "data.regenerate.samples=1000000000 data.regenerate.temperature=1.0",
+            "data.regenerate.samples=1000000000 answers each conversation 1000000000 times: at most 1000",
+        ),
         ("export.sweep.concurrency=[]", "export.sweep.concurrency=[] must list integers from 1 to 1024, at least one"),
         ("export.sweep.concurrency=[0,4]", "export.sweep.concurrency=[0, 4] must list integers from 1 to 1024"),
         ("export.sweep.concurrency=[1,100000]", "export.sweep.concurrency=[1, 100000] must list integers from 1 to"),
