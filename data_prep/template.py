@@ -221,15 +221,19 @@ def _generated_length(span: str, eos_token: str | None) -> int:
     return len(span.rstrip())
 
 
-def render_prompt(tokenizer, messages: Sequence[Message]) -> tuple[list[int], Optional[str]]:
+def render_prompt(
+    tokenizer, messages: Sequence[Message], kept_last: Optional[int] = None
+) -> tuple[list[int], Optional[str]]:
     """Token ids of the conversation up to its last assistant turn, ending with the generation
     prompt, and that assistant turn's content (the reference answer); a conversation that ends with a
     user turn (a prompt with no answer yet, as MT-bench's) is rendered whole, with no reference. An
-    opening assistant turn is context, never the answer (`answered_turns`)."""
+    opening assistant turn is context, never the answer (`answered_turns`). `kept_last`: only the prompt's last
+    tokens are used (the eval's), so a prompt far longer holds its last kept_last + 1 tokens only (`_encode_kept`)."""
     messages = list(messages)
     last = prompt_end(messages)
     answer = messages[last]["content"] if last < len(messages) else None
-    ids, _ = _encode(tokenizer, _render(tokenizer, messages[:last], add_generation_prompt=True))
+    text = _render(tokenizer, messages[:last], add_generation_prompt=True)
+    ids, _ = _encode_kept(tokenizer, text, kept_last, from_end=True)
     return ids, answer
 
 
@@ -279,15 +283,16 @@ def _for_template(message: Message) -> Message:
     return message
 
 
-def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+def _encode(tokenizer, text: str, of: Optional[str] = None) -> tuple[list[int], list[tuple[int, int]]]:
     """Tokenize rendered text exactly as the target will see it.
 
     Special tokens (BOS) are added unless the template already wrote the BOS text itself (Llama-3
     templates start with `<|begin_of_text|>`); adding it again would give the target a doubled BOS
-    it never saw in training. Tokenizers that add no BOS (Qwen) are unaffected either way.
+    it never saw in training. Tokenizers that add no BOS (Qwen) are unaffected either way. `of`: the whole text
+    that `text` is a cut of, which decides it (`_encode_kept`).
     """
     bos = tokenizer.bos_token
-    add_special_tokens = not (bos and text.startswith(bos))
+    add_special_tokens = not (bos and (text if of is None else of).startswith(bos))
     try:
         encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True, verbose=False)
     except NotImplementedError:
@@ -297,20 +302,27 @@ def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     return list(encoding["input_ids"]), [tuple(offset) for offset in encoding["offset_mapping"]]
 
 
-def _encode_kept(tokenizer, text: str, kept_tokens: Optional[int]) -> tuple[list[int], list[tuple[int, int]]]:
+def _encode_kept(
+    tokenizer, text: str, kept_tokens: Optional[int], from_end: bool = False
+) -> tuple[list[int], list[tuple[int, int]]]:
     """`_encode(text)`; with `kept_tokens`, of a text longer than CHARACTERS_PER_KEPT_TOKEN·(kept_tokens + 1)
-    characters only its first kept_tokens + 1 tokens, read from a prefix of it. A prefix's last tokens may differ
-    from the whole text's (a word cut in two), so the prefix doubles until two cuts of the text agree on those
-    tokens, each cut holding more of them (the last token a tokenizer may add, an EOS, is past them); a text whose
-    cuts never agree is encoded whole."""
+    characters only its first kept_tokens + 1 tokens (`from_end`: its last), read from a prefix (a suffix) of it. A
+    cut's tokens next to it may differ from the whole text's (a word cut in two), so the cut doubles until two cuts
+    of the text agree on the tokens kept, each cut holding more of them (a token the tokenizer adds at the other end,
+    a BOS, is past them; the special tokens added are the whole text's); a text whose cuts never agree is encoded
+    whole."""
     if kept_tokens is not None:
         wanted = kept_tokens + 1
+        kept = slice(-wanted, None) if from_end else slice(wanted)
         length, shorter = CHARACTERS_PER_KEPT_TOKEN * wanted, None
         while length < len(text):
-            ids, offsets = _encode(tokenizer, text[:length])
-            if len(ids) > wanted and shorter is not None and shorter[0][:wanted] == ids[:wanted]:
-                return ids[:wanted], offsets[:wanted]
-            shorter = (ids, offsets) if len(ids) > wanted else None
+            ids, offsets = _encode(tokenizer, text[-length:] if from_end else text[:length], of=text)
+            if len(ids) > wanted and shorter is not None and shorter[kept] == ids[kept]:
+                shift = len(text) - length if from_end else 0  # where the cut begins in the text
+                return ids[kept], [
+                    (start + shift, end + shift) if end > start else (0, 0) for start, end in offsets[kept]
+                ]
+            shorter = ids if len(ids) > wanted else None
             length *= 2
     return _encode(tokenizer, text)
 

@@ -103,7 +103,7 @@ def _child(work: Callable[[], int], env: dict[str, str], outputs: list) -> None:
         os._exit(code)
 
 
-def _entry_point(args: list[str]) -> int:
+def entry_point(args: list[str]) -> int:
     from tests.helpers import REPO, run_entry_in_process
 
     os.chdir(REPO)
@@ -167,7 +167,7 @@ class ForkedEntry(ForkedCall):
     process, run from the repository root."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, log: Path | None = None, timeout=300.0):
-        super().__init__(partial(_entry_point, args), args, env, log, timeout)
+        super().__init__(partial(entry_point, args), args, env, log, timeout)
 
 
 def run_forked(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -207,7 +207,7 @@ def forked_ranks(
 def run_forked_ranks(args: list[str], logs: Path, world: int = 2, timeout: float = 180) -> subprocess.CompletedProcess:
     """`args` (an entry point) on `world` forked ranks (`forked_ranks`): the worst exit code, rank 0's output as stdout
     and every rank's as stderr."""
-    ranks = forked_ranks(partial(_entry_point, args), world, logs, timeout)
+    ranks = forked_ranks(partial(entry_point, args), world, logs, timeout)
     codes = [rank.wait() for rank in ranks]
     texts = [rank.output()[0] for rank in ranks]
     return subprocess.CompletedProcess(args, max(codes, key=abs), texts[0], "".join(texts))

@@ -121,6 +121,20 @@ def test_a_conversation_of_thousands_of_turns_renders_only_the_turns_a_truncated
     assert len(renders) < 20 and any(cut_mask[:64])
 
 
+def lengths_encoded(monkeypatch) -> list[int]:
+    """The length of every text the chat template's code tokenizes from now on, in order."""
+    import draftsmith.data_prep.template as template
+
+    lengths, real = [], template._encode
+
+    def encode(tokenizer, text, **kwargs):
+        lengths.append(len(text))
+        return real(tokenizer, text, **kwargs)
+
+    monkeypatch.setattr(template, "_encode", encode)
+    return lengths
+
+
 def test_an_answer_of_megabytes_is_encoded_only_as_far_as_the_row_keeps(reference_tokenizer, monkeypatch):
     """One answer of tens of megabytes was encoded whole before data.max_length cut its row (20 MB: 45 s and 4 GB;
     88 MB aborted the process in the tokenizer's allocator). A row cut to k tokens is read from a prefix of the text
@@ -128,10 +142,7 @@ def test_an_answer_of_megabytes_is_encoded_only_as_far_as_the_row_keeps(referenc
     words, multi-byte characters and one word of 200,000 characters, from a quarter of the text or less."""
     import random
 
-    import draftsmith.data_prep.template as template
-
-    encoded, real = [], template._encode
-    monkeypatch.setattr(template, "_encode", lambda tokenizer, text: encoded.append(len(text)) or real(tokenizer, text))
+    encoded = lengths_encoded(monkeypatch)
     words = random.Random(0).choices(["alpha", "béta", "🙂", "gamma\n", "x" * 300], k=6000)
     for answer in (" ".join(words), "ab" * 100_000 + " end"):
         messages = [{"role": "user", "content": "Summarise."}, {"role": "assistant", "content": answer}]
@@ -142,6 +153,24 @@ def test_an_answer_of_megabytes_is_encoded_only_as_far_as_the_row_keeps(referenc
             assert not more and len(cut_ids) == kept + 1, kept
             assert (cut_ids, cut_mask) == (ids[: kept + 1], mask[: kept + 1]), kept
             assert max(encoded) < len(answer) / 4, (kept, encoded)
+
+
+def test_a_prompt_of_megabytes_is_encoded_only_as_far_as_the_eval_keeps(reference_tokenizer, monkeypatch):
+    """The eval keeps a long prompt's last eval tokens: they were cut from the whole prompt encoded (an 88 MB prompt
+    aborts the process in the tokenizer). Read from a suffix now, doubled as a row's prefix is: the same last tokens
+    as the whole prompt's, with the reference's BOS added and with a template that writes its own BOS text."""
+    import random
+
+    encoded = lengths_encoded(monkeypatch)
+    words = " ".join(random.Random(1).choices(["alpha", "béta", "🙂", "gamma\n", "x" * 300], k=6000))
+    messages = [{"role": "user", "content": words}, {"role": "assistant", "content": "Done."}]
+    for tokenizer in (reference_tokenizer, llama3_tokenizer("<|eot_id|>")):
+        ids, answer = render_prompt(tokenizer, messages)
+        for kept in (1, 64, 300):
+            encoded.clear()
+            tail, same = render_prompt(tokenizer, messages, kept_last=kept)
+            assert (tail[-kept:], same) == (ids[-kept:], answer) and len(tail) == kept + 1, kept
+            assert max(encoded) < len(words) / 4, (kept, encoded)
 
 
 def llama3_tokenizer(eos: str):

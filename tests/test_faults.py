@@ -1,5 +1,5 @@
-"""Fault injection with real processes: each job (training, capture, regeneration, export) is killed
-with SIGKILL at seeded random moments while it writes (between its first write and its end, as a
+"""Fault injection with real processes: each job (training, capture, regeneration, export) is ended by the kernel
+(as SIGKILL ends it) at seeded random moments while it writes (between its first write and its end, as a
 reference run measured; each test checks a kill landed mid-run), run again until it finishes, and must
 then hold exactly what an uninterrupted run holds (training: the same per-step losses and final weights;
 the others: the same bytes). Meanwhile a reader opens every published file over and over: none may ever be partial.
@@ -21,6 +21,7 @@ import subprocess
 import threading
 import time
 import zipfile
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ import yaml
 from safetensors.torch import load_file
 
 from draftsmith.outputs import LOCK_NAME
-from tests.forked import ForkedEntry
+from tests.forked import ForkedCall, ForkedEntry, entry_point
 from tests.helpers import (
     REFERENCE_TARGET,
     REPO,
@@ -98,34 +99,38 @@ def has_written(directory: Path) -> bool:
     return directory.is_dir() and any(p.is_file() for p in directory.rglob("*"))
 
 
-def wait_for_first_write(process: ForkedEntry, directory: Path) -> None:
-    """Until `process` has written a file into `directory` (or ended)."""
-    while process.poll() is None and not has_written(directory):
-        time.sleep(0.02)
+def killed_after_first_write(args: list[str], watched: Path, seconds: float) -> int:
+    """In a forked child: `python args`, ended by the kernel `seconds` after its first write into `watched` (its lock
+    file at least: it has claimed the directory). The timer is the kernel's (SIGALRM, whose default action ends the
+    process where it is, as SIGKILL does: no handler, no cleanup), armed by a thread of the child that sees the write:
+    the test process, which waited and killed before, shares the cores with the job and another worker, woke late,
+    found the job finished and measured it slower than it ran, and three tries in a row landed no kill."""
+
+    def arm() -> None:
+        while not has_written(watched):
+            time.sleep(0.005)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+
+    threading.Thread(target=arm, daemon=True).start()
+    return entry_point(args)
 
 
 def run_killed_then_resumed(args: list[str], watched: Path, kill_after: float, resume: list[str], capsys) -> bool:
-    """Start `python args` (forked from this process: what is tested is the job's writes, not its start), wait until
-    it has written into `watched` (its lock file at least: it has claimed the directory), SIGKILL it `kill_after`
-    seconds later unless it finished, then run `args + resume` until it exits 0 (in this process: nothing kills it),
-    with a reader watching `watched` throughout. A job that finished before its kill ran faster than the reference
-    run the moment was drawn from: it starts over in an emptied `watched`, killed sooner (up to three times).
-    Returns whether the kill landed mid-run."""
+    """Start `python args` (forked from this process: what is tested is the job's writes, not its start), ended
+    `kill_after` seconds after its first write into `watched` unless it finished (`killed_after_first_write`), then run
+    `args + resume` until it exits 0 (in this process: nothing kills it), with a reader watching `watched` throughout. A
+    job that finished before its kill ran faster than the reference run the moment was drawn from: it starts over in an
+    emptied `watched`, killed twice as soon (up to five times). Returns whether the kill landed mid-run."""
     readers = []
     try:
-        for _ in range(3):
-            process = ForkedEntry(args)
+        for _ in range(5):
+            process = ForkedCall(partial(killed_after_first_write, args, watched, kill_after), args)
             readers.append(PartialFileReader(watched))  # started after the fork, which copies the locks threads hold
             readers[-1].start()
-            wait_for_first_write(process, watched)
-            first_write = time.perf_counter()
-            try:
-                process.wait(timeout=kill_after)
-            except subprocess.TimeoutExpired:
-                process.send_signal(signal.SIGKILL)
-                process.wait()
+            if process.wait() == -signal.SIGALRM:
                 break
-            kill_after = min(kill_after, 0.5 * (time.perf_counter() - first_write))
+            assert process.returncode == 0, process.output()[1][-3000:]
+            kill_after *= 0.5
             readers[-1].stop.set()
             readers[-1].join()
             shutil.rmtree(watched)
@@ -142,7 +147,7 @@ def run_killed_then_resumed(args: list[str], watched: Path, kill_after: float, r
     assert not problems, problems[:5]
     assert sum(reader.reads for reader in readers) > 0
     assert not (watched / LOCK_NAME).exists()
-    return process.returncode == -signal.SIGKILL
+    return process.returncode == -signal.SIGALRM
 
 
 def test_a_child_killed_while_it_draws_a_bar_leaves_the_test_processs_bars_free():
