@@ -60,7 +60,7 @@ def regenerate_batch(
             if round_ >= len(turns[row]) or ended[row]:
                 continue
             try:
-                prompt = render_prompt(tokenizer, conversations[row][: turns[row][round_] + 1])[0]
+                prompt = render_prompt(tokenizer, conversations[row][: turns[row][round_] + 1], max_length)[0]
             except UserError as err:
                 raise UserError(f"{names[row]}: {err}" if names else str(err)) from None
             if len(prompt) >= max_length:

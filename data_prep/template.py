@@ -222,18 +222,19 @@ def _generated_length(span: str, eos_token: str | None) -> int:
 
 
 def render_prompt(
-    tokenizer, messages: Sequence[Message], kept_last: Optional[int] = None
+    tokenizer, messages: Sequence[Message], kept_tokens: Optional[int] = None, from_end: bool = False
 ) -> tuple[list[int], Optional[str]]:
     """Token ids of the conversation up to its last assistant turn, ending with the generation
     prompt, and that assistant turn's content (the reference answer); a conversation that ends with a
     user turn (a prompt with no answer yet, as MT-bench's) is rendered whole, with no reference. An
-    opening assistant turn is context, never the answer (`answered_turns`). `kept_last`: only the prompt's last
-    tokens are used (the eval's), so a prompt far longer holds its last kept_last + 1 tokens only (`_encode_kept`)."""
+    opening assistant turn is context, never the answer (`answered_turns`). `kept_tokens`: only that many of the
+    prompt's first tokens matter (a regeneration's: a longer prompt is not answered), or with `from_end` its last
+    (the eval's), so a prompt far longer holds kept_tokens + 1 of them only (`_encode_kept`)."""
     messages = list(messages)
     last = prompt_end(messages)
     answer = messages[last]["content"] if last < len(messages) else None
     text = _render(tokenizer, messages[:last], add_generation_prompt=True)
-    ids, _ = _encode_kept(tokenizer, text, kept_last, from_end=True)
+    ids, _ = _encode_kept(tokenizer, text, kept_tokens, from_end)
     return ids, answer
 
 

@@ -63,7 +63,9 @@ def render_prompts(
     from draftsmith.data_prep.template import render_prompt
 
     return {
-        domain: [render_prompt(tokenizer, messages, max_length)[0][-max_length:] for messages in conversations]
+        domain: [
+            render_prompt(tokenizer, messages, max_length, from_end=True)[0][-max_length:] for messages in conversations
+        ]
         for domain, conversations in chosen.items()
     }
 

@@ -156,9 +156,10 @@ def test_an_answer_of_megabytes_is_encoded_only_as_far_as_the_row_keeps(referenc
 
 
 def test_a_prompt_of_megabytes_is_encoded_only_as_far_as_the_eval_keeps(reference_tokenizer, monkeypatch):
-    """The eval keeps a long prompt's last eval tokens: they were cut from the whole prompt encoded (an 88 MB prompt
-    aborts the process in the tokenizer). Read from a suffix now, doubled as a row's prefix is: the same last tokens
-    as the whole prompt's, with the reference's BOS added and with a template that writes its own BOS text."""
+    """The eval keeps a long prompt's last tokens, and a regeneration answers no prompt of data.max_length tokens or
+    more: both were read from the whole prompt encoded (an 88 MB prompt aborts the process in the tokenizer). Read from
+    a suffix or a prefix now, doubled as a row's is: the same tokens as the whole prompt's, with the reference's BOS
+    added and with a template that writes its own BOS text."""
     import random
 
     encoded = lengths_encoded(monkeypatch)
@@ -168,9 +169,11 @@ def test_a_prompt_of_megabytes_is_encoded_only_as_far_as_the_eval_keeps(referenc
         ids, answer = render_prompt(tokenizer, messages)
         for kept in (1, 64, 300):
             encoded.clear()
-            tail, same = render_prompt(tokenizer, messages, kept_last=kept)
+            tail, same = render_prompt(tokenizer, messages, kept, from_end=True)
             assert (tail[-kept:], same) == (ids[-kept:], answer) and len(tail) == kept + 1, kept
             assert max(encoded) < len(words) / 4, (kept, encoded)
+            head, _ = render_prompt(tokenizer, messages, kept)  # a regeneration's: longer than kept, not answered
+            assert head == ids[: kept + 1], kept
 
 
 def llama3_tokenizer(eos: str):
