@@ -313,7 +313,9 @@ def test_packing_trains_a_step_each_way_on_the_same_micro_batch():
     run's draw seed (dataclasses.replace on the script's lambda)."""
     from tests.forked import run_forked
 
-    result = run_forked(["benchmarks/packing.py", "--recipes", "medusa", "--steps", "1", "--warmup", "0"])
+    result = run_forked(
+        ["benchmarks/packing.py", "--recipes", "medusa", "--steps", "1", "--warmup", "0", "--threads", "1"]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = json.loads(result.stdout)["recipes"]
     assert row["packed"]["padding_fraction"] < row["padded"]["padding_fraction"]
