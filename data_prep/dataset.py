@@ -319,7 +319,7 @@ def _tokenize_batch(
         stats["duplicate_conversations"] += digest in seen
         seen.add(digest)
         try:
-            rendered = render_rows(tokenizer, batch["messages"][row], thinking, max_length)
+            rendered = render_rows(tokenizer, batch["messages"][row], thinking, max_length, overlong == "truncate")
         except UserError as err:
             raise UserError(f"{where}: {err}") from None
         stats["split_into_turns"] += len(rendered) > 1
@@ -333,8 +333,8 @@ def _tokenize_batch(
             if cut:
                 if overlong == "error":
                     raise UserError(
-                        f"{where}: longer than data.max_length={max_length} tokens (raise it, or set "
-                        "data.overlong=truncate or drop)"
+                        f"{where}: {_tokens_counted(ids, max_length)} is more than data.max_length={max_length} "
+                        "(raise it, or set data.overlong=truncate or drop)"
                     )
                 if overlong == "drop":
                     stats["dropped_overlong"] += 1
@@ -352,6 +352,12 @@ def _tokenize_batch(
             out["digest"].append(digest)
         stats["kept_conversations"] += len(out["input_ids"]) > kept
     return out
+
+
+def _tokens_counted(ids: list[int], max_length: int) -> str:
+    """A long row's length: its tokens where it was encoded whole, else a bound (render_rows reads one token past
+    data.max_length of a text far longer)."""
+    return f"{len(ids)} tokens" if len(ids) > max_length + 1 else f"at least {len(ids)} tokens"
 
 
 def _where(batch: dict[str, list], row: int, index: int) -> str:

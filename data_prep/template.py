@@ -30,9 +30,9 @@ from draftsmith.errors import UserError
 Message = dict[str, Any]
 Row = tuple[list[int], list[int]]  # token ids and the 0/1 loss mask
 THINKING = ("train", "mask")
-# A row cut to k tokens is encoded from the text's first 64·(k + 1) characters at first, far more than any tokenizer's
-# tokens hold on real text: one answer of tens of megabytes took gigabytes to encode whole (88 MB aborted the
-# process in the tokenizer's allocator), every token past the cut thrown away
+# A row or prompt of which k tokens are kept is encoded from 64·(k + 1) of the text's characters at first (its first,
+# or its last), far more than tokens hold on real text: one answer of tens of megabytes took gigabytes to encode whole
+# (88 MB aborted the process in the tokenizer's allocator), every token past the cut thrown away
 CHARACTERS_PER_KEPT_TOKEN = 64
 
 
@@ -50,7 +50,7 @@ def render_with_masks(tokenizer, messages: Sequence[Message], thinking: str = "t
     earlier turns is refused in one line (`render_rows` renders such a conversation a turn at a time)."""
     messages = checked(messages, thinking)
     try:
-        return _whole(tokenizer, messages, thinking, None)
+        return _whole(tokenizer, messages, thinking, None, truncated=False)
     except NotPrefixStable as err:
         raise UserError(
             f"chat template of {_name(tokenizer)} is not prefix-stable for assistant turn {err.args[0] + 1}: "
@@ -60,18 +60,24 @@ def render_with_masks(tokenizer, messages: Sequence[Message], thinking: str = "t
 
 
 def render_rows(
-    tokenizer, messages: Sequence[Message], thinking: str = "train", kept_tokens: Optional[int] = None
+    tokenizer,
+    messages: Sequence[Message],
+    thinking: str = "train",
+    kept_tokens: Optional[int] = None,
+    truncated: bool = False,
 ) -> list[Row]:
     """The conversation as training rows: one (`render_with_masks`) where the template is prefix-stable;
     else one row per assistant turn, the conversation up to that turn as the template renders it last
-    (what the model is shown when it generates the turn), only that turn in the mask. `kept_tokens`: the rows are
-    cut to that many tokens (data.max_length), so a prefix-stable conversation's turns that begin past them
-    are neither rendered on their own nor checked (each turn's prefix is rendered once more: a conversation of
-    thousands of short turns took minutes, its tokens past the cut thrown away), and a row far longer than that
-    holds its first kept_tokens + 1 tokens only (`_encode_kept`): one more than kept says it was longer."""
+    (what the model is shown when it generates the turn), only that turn in the mask. `kept_tokens`: no row is used
+    past that many tokens (data.max_length), so a row far longer holds its first kept_tokens + 1 tokens only
+    (`_encode_kept`): one more than kept says it was longer. `truncated` (data.overlong=truncate): the rows are cut
+    there, so a prefix-stable conversation's turns that begin past the cut are neither rendered on their own nor
+    checked (each turn's prefix is rendered once more: a conversation of thousands of short turns took minutes, its
+    tokens past the cut thrown away); dropped or refused rows are not cut, and every turn is checked (a template that
+    rewrites a turn past the cut still gives a row per turn, those that fit kept)."""
     messages = checked(messages, thinking)
     try:
-        return [_whole(tokenizer, messages, thinking, kept_tokens)]
+        return [_whole(tokenizer, messages, thinking, kept_tokens, truncated)]
     except NotPrefixStable:
         pass
     rows = []
@@ -99,17 +105,17 @@ def checked(messages: Sequence[Message], thinking: str) -> list[Message]:
     return list(messages)
 
 
-def _whole(tokenizer, messages: list[Message], thinking: str, kept_tokens: Optional[int]) -> Row:
+def _whole(tokenizer, messages: list[Message], thinking: str, kept_tokens: Optional[int], truncated: bool) -> Row:
     """The conversation rendered once, every assistant turn that answers one before it in the mask (an opening
-    one is context: `answered_turns`), up to the turns that begin past its first `kept_tokens` tokens (None: all);
-    NotPrefixStable where it cannot be."""
+    one is context: `answered_turns`), up to the turns that begin past its first `kept_tokens` tokens where it is
+    `truncated` there (else all); NotPrefixStable where it cannot be."""
     full = _render(tokenizer, messages, add_generation_prompt=False)
     encoded = _encode_kept(tokenizer, full, kept_tokens)
     ids, offsets = encoded
     # a turn whose prompt ends past where the last token kept begins has no token in the row kept (a token the
     # tokenizer adds is (0, 0), of no text); uncut, every turn has
     cut_at = len(full)
-    if kept_tokens is not None and len(ids) > kept_tokens:
+    if truncated and kept_tokens is not None and len(ids) > kept_tokens:
         cut_at = max((start for start, end in offsets[:kept_tokens] if end > start), default=0)
     spans = []
     for index in answered_turns(messages):
@@ -284,16 +290,16 @@ def _for_template(message: Message) -> Message:
     return message
 
 
-def _encode(tokenizer, text: str, of: Optional[str] = None) -> tuple[list[int], list[tuple[int, int]]]:
+def _encode(tokenizer, text: str, whole: Optional[str] = None) -> tuple[list[int], list[tuple[int, int]]]:
     """Tokenize rendered text exactly as the target will see it.
 
     Special tokens (BOS) are added unless the template already wrote the BOS text itself (Llama-3
     templates start with `<|begin_of_text|>`); adding it again would give the target a doubled BOS
-    it never saw in training. Tokenizers that add no BOS (Qwen) are unaffected either way. `of`: the whole text
-    that `text` is a cut of, which decides it (`_encode_kept`).
+    it never saw in training. Tokenizers that add no BOS (Qwen) are unaffected either way. `whole`: the text that
+    `text` is a cut of, which decides it (`_encode_kept`).
     """
     bos = tokenizer.bos_token
-    add_special_tokens = not (bos and (text if of is None else of).startswith(bos))
+    add_special_tokens = not (bos and (text if whole is None else whole).startswith(bos))
     try:
         encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True, verbose=False)
     except NotImplementedError:
@@ -307,21 +313,24 @@ def _encode_kept(
     tokenizer, text: str, kept_tokens: Optional[int], from_end: bool = False
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """`_encode(text)`; with `kept_tokens`, of a text longer than CHARACTERS_PER_KEPT_TOKEN·(kept_tokens + 1)
-    characters only its first kept_tokens + 1 tokens (`from_end`: its last), read from a prefix (a suffix) of it. A
-    cut's tokens next to it may differ from the whole text's (a word cut in two), so the cut doubles until two cuts
-    of the text agree on the tokens kept, each cut holding more of them (a token the tokenizer adds at the other end,
-    a BOS, is past them; the special tokens added are the whole text's); a text whose cuts never agree is encoded
-    whole."""
+    characters only its first kept_tokens + 1 tokens (`from_end`: its last), read from a prefix (a suffix) of it.
+    A cut's tokens next to it may differ from the whole text's (a word cut in two), so the cut doubles until two cuts
+    agree on the tokens kept, each holding more of them (a token the tokenizer adds at the other end, a BOS, is past
+    them; the special tokens added are the whole text's). Two cuts agreeing is no proof: the tokens are the whole
+    text's where no tokenizer's context reaches across the 64 characters a kept token that a cut leaves beyond them
+    (none did in fuzzing of byte-level BPE and SentencePiece-style tokenizers; at 8 a SentencePiece-style one did).
+    A text whose cuts never agree, or hold no more than kept_tokens + 1 tokens (over 64 characters a token), is then
+    encoded whole, at up to three times the cost of encoding it whole at once."""
     if kept_tokens is not None:
         wanted = kept_tokens + 1
-        kept = slice(-wanted, None) if from_end else slice(wanted)
+        held = slice(-wanted, None) if from_end else slice(wanted)  # the tokens a cut must agree on
         length, shorter = CHARACTERS_PER_KEPT_TOKEN * wanted, None
         while length < len(text):
-            ids, offsets = _encode(tokenizer, text[-length:] if from_end else text[:length], of=text)
-            if len(ids) > wanted and shorter is not None and shorter[kept] == ids[kept]:
+            ids, offsets = _encode(tokenizer, text[-length:] if from_end else text[:length], whole=text)
+            if len(ids) > wanted and shorter is not None and shorter[held] == ids[held]:
                 shift = len(text) - length if from_end else 0  # where the cut begins in the text
-                return ids[kept], [
-                    (start + shift, end + shift) if end > start else (0, 0) for start, end in offsets[kept]
+                return ids[held], [
+                    (start + shift, end + shift) if end > start else (0, 0) for start, end in offsets[held]
                 ]
             shorter = ids if len(ids) > wanted else None
             length *= 2

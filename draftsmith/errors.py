@@ -66,8 +66,8 @@ class StorageError(Exception):
 
 
 class CacheWriteFailed(StorageError):
-    """A cache's full or failing disk refused a write (`cache_fault`): raised by data_prep, which serves several
-    commands, so `outcome` ends its line with the advice of the command that ran (`how_to_continue`)."""
+    """A cache's full or failing disk refused a write (data_prep/cache_faults.py): raised by data_prep, which serves
+    several commands, so `outcome` ends its line with the advice of the command that ran (`how_to_continue`)."""
 
 
 class InternalError(Exception):
@@ -276,8 +276,8 @@ def _run(main: Callable[[Sequence[str]], object], argv: list[str], command: str)
         release_locals(err)
         try:
             code, line = outcome(err, command)
-        except MemoryError:  # deciding takes memory too (an import, a log file): none left is this job's size
-            code, line = EXIT_OUT_OF_MEMORY, out_of_memory_line(err, command)
+        except MemoryError:  # deciding takes memory too (an import, a log file): the error's own class then decides
+            code, line = classified(err, command) or (EXIT_OUT_OF_MEMORY, out_of_memory_line(err, command))
         print(line, file=sys.stderr)
         return code
     return 0
@@ -288,9 +288,18 @@ def release_locals(err: BaseException) -> None:
     the errors it was raised from kept alive: memory exhausted by ten million modules stayed exhausted while the exit
     code was decided, whose own import then failed (exit 1, three tracebacks). A traceback is still written from
     them: it names code and lines, not values."""
-    link: BaseException | None = err
-    while link is not None:
+    for link in exception_chain(err):
         traceback.clear_frames(link.__traceback__)  # the frame still running (this one's caller) is left as it is
+
+
+def exception_chain(err: BaseException) -> Iterator[BaseException]:
+    """`err` and the errors it was raised from (its cause, else its context), each once: a chain made into a loop by
+    hand would otherwise be walked forever."""
+    seen: set[int] = set()
+    link: BaseException | None = err
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        yield link
         link = link.__cause__ or link.__context__
 
 
@@ -298,10 +307,7 @@ def stop_behind(err: BaseException) -> KeyboardInterrupt | Preempted | None:
     """The stop (Ctrl-C's KeyboardInterrupt, SIGTERM's Preempted) that `err` is, or was raised while it unwound, if
     any: a library's cleanup that failed on the work the stop left half done replaced it (OmegaConf's `AttributeError:
     'NoneType' object has no attribute '_invalidate_flags_cache'`: exit 70, for a job that was asked to stop)."""
-    link: BaseException | None = err
-    while link is not None and not isinstance(link, (KeyboardInterrupt, Preempted)):
-        link = link.__cause__ or link.__context__
-    return link
+    return next((link for link in exception_chain(err) if isinstance(link, (KeyboardInterrupt, Preempted))), None)
 
 
 def raise_deferred_stop() -> None:
@@ -331,11 +337,9 @@ def outcome(err: BaseException, command: str = "") -> tuple[int, str]:
             f"{one_line(err, limit=2000).rstrip('.')}; run the same command again when the Hub can be reached, or "
             "give a local folder (or set HF_HUB_OFFLINE=1 to read the Hub cache only)"
         )
-    if isinstance(err, CacheWriteFailed):  # its raiser does not know the command
-        return EXIT_IO_ERROR, f"I/O error: {one_line(err, limit=2000)}, and {how_to_continue(command)}"
-    for cls, code, prefix in OUTCOMES:
-        if isinstance(err, cls):
-            return code, f"{prefix}: {one_line(err, limit=2000)}"
+    known = classified(err, command)
+    if known is not None:
+        return known
     if out_of_memory(err):  # the job's size, not draftsmith: the most common failure of a GPU run
         return EXIT_OUT_OF_MEMORY, out_of_memory_line(err, command)
     if isinstance(err, PermissionError):  # a path the user gave that this user may not use: fix it, no retry helps
@@ -357,6 +361,16 @@ def out_of_memory_line(err: BaseException, command: str) -> str:
         "train.micro_batch_size with a larger train.grad_accum keeps the step; a shorter data.max_length; fewer "
         "eval.batch_sizes or data.regenerate.batch_size), or more memory (target.shard=fsdp over several GPUs), and "
         f"{how_to_continue(command)}"
+    )
+
+
+def classified(err: BaseException, command: str) -> tuple[int, str] | None:
+    """The exit code and line of an error of one of draftsmith's own classes (OUTCOMES), None for any other."""
+    if isinstance(err, CacheWriteFailed):  # its raiser does not know the command
+        return EXIT_IO_ERROR, f"I/O error: {one_line(err, limit=2000)}, and {how_to_continue(command)}"
+    return next(
+        ((code, f"{prefix}: {one_line(err, limit=2000)}") for cls, code, prefix in OUTCOMES if isinstance(err, cls)),
+        None,
     )
 
 
@@ -412,10 +426,7 @@ def hub_cache_miss(err: BaseException) -> BaseException | None:
     failed, or from nothing when HF_HUB_OFFLINE=1 made none."""
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    link: BaseException | None = err
-    while link is not None and not isinstance(link, LocalEntryNotFoundError):
-        link = link.__cause__ or link.__context__
-    return link
+    return next((link for link in exception_chain(err) if isinstance(link, LocalEntryNotFoundError)), None)
 
 
 def traceback_kept(err: BaseException) -> str:

@@ -38,9 +38,9 @@ SEED_RANGE = range(2**32)
 # the highest load `draftsmith sweep` measures (vLLM's largest default max_num_seqs), and the most requests a level
 # serves for each method and γ (a level of 10^5 was 200,000 requests, a dozen times over)
 MAX_SWEEP_CONCURRENCY = 1024
-# the most answers a regeneration draws for one conversation (a few to a few dozen give the target's spread)
-MAX_SAMPLES = 1000
 MAX_LEVEL_REQUESTS = 100_000
+# the most answers a regeneration draws for one conversation (a few to a few dozen give the target's spread)
+MAX_REGENERATE_SAMPLES = 1000
 
 
 def require_seed(value: int, key: str) -> None:
@@ -125,9 +125,9 @@ def check_data(data) -> None:
         "all the same",
     )
     require(  # 10^9 listed its rows before the first answer: out of memory, with a line naming nothing
-        regenerate.samples <= MAX_SAMPLES,
+        regenerate.samples <= MAX_REGENERATE_SAMPLES,
         f"data.regenerate.samples={regenerate.samples} answers each conversation {regenerate.samples} times: at most "
-        f"{MAX_SAMPLES}",
+        f"{MAX_REGENERATE_SAMPLES}",
     )
     require(
         not regenerate.reuse or regenerate.temperature == 0,

@@ -39,12 +39,12 @@ from pathlib import Path
 STOPS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}  # a foreground process's
 
 
-def _one_thread_only(threads: int) -> None:
-    """torch.set_num_threads in a forked child: one thread. GNU OpenMP is not fork-safe: a child forked from a test
-    process that ran two threads (`-n 0` on two cores) hung in its first parallel region (benchmarks/packing.py's
-    default --threads 2: 300 s, then killed), while under xdist, whose workers run one, it passed."""
-    if threads != 1:
-        raise AssertionError(f"a forked child runs one thread, not {threads} (give the script --threads 1)")
+def _one_thread(set_num_threads: Callable[[int], None], threads: int) -> None:
+    """torch.set_num_threads in a forked child: one thread, whatever it asks (a benchmark's --threads, a forked rank's
+    share of the cores). GNU OpenMP is not fork-safe: a child forked from a test process that ran two threads (`-n 0`
+    on two cores, an xdist worker on eight) hung in its first parallel region (benchmarks/packing.py's default
+    --threads 2: 300 s, then killed), while under xdist on two cores, whose workers run one, it passed."""
+    set_num_threads(1)
 
 
 def _become_fresh(env: dict[str, str]) -> None:
@@ -68,7 +68,7 @@ def _become_fresh(env: dict[str, str]) -> None:
         root.removeHandler(handler)
     os.environ.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **env)
     torch.set_num_threads(1)
-    torch.set_num_threads = _one_thread_only
+    torch.set_num_threads = partial(_one_thread, torch.set_num_threads)
     # tqdm's write lock: a multiprocessing RLock, a semaphore the fork shares with the test process, and a thread lock
     # another of its threads may hold as it forks. A child killed (SIGKILL) while writing a bar left the semaphore
     # held, and the test process's next bar waited for it forever (tests/test_faults.py's in-process resume): the

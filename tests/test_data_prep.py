@@ -112,13 +112,40 @@ def test_a_conversation_of_thousands_of_turns_renders_only_the_turns_a_truncated
     assert len(whole) == 1
     ids, mask = whole[0]
     for kept in range(1, len(ids) + 2):
-        (cut_ids, cut_mask), *more = render_rows(reference_tokenizer, exchanges(12), kept_tokens=kept)
+        (cut_ids, cut_mask), *more = render_rows(reference_tokenizer, exchanges(12), kept_tokens=kept, truncated=True)
         assert not more and (cut_ids[:kept], cut_mask[:kept]) == (ids[:kept], mask[:kept]), kept
     renders = []
     real = template._render
     monkeypatch.setattr(template, "_render", lambda *args, **kwargs: renders.append(1) or real(*args, **kwargs))
-    (cut_ids, cut_mask), *_ = render_rows(reference_tokenizer, exchanges(2000), kept_tokens=64)
+    (cut_ids, cut_mask), *_ = render_rows(reference_tokenizer, exchanges(2000), kept_tokens=64, truncated=True)
     assert len(renders) < 20 and any(cut_mask[:64])
+
+
+def test_a_dropped_conversations_turns_that_fit_are_kept_where_a_later_turn_is_rewritten(tmp_path):
+    """data.overlong=drop reads every turn: a template that rewrites a turn only past data.max_length (its reasoning
+    rendered only while it is the last turn, as gpt-oss's does) still makes a row per turn, and the first turn's,
+    which fits, is kept; the conversation as one row, dropped whole, lost it (a review of the cut rows, 2026-12-06)."""
+    tokenizer = load_tokenizer(str(REFERENCE))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]})
+    tokenizer.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.bos_token, tokenizer.eos_token = None, "<|im_end|>"
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' and m.reasoning_content and loop.last %}<think>{{ m.reasoning_content }}"
+        "</think>{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello there"},
+        {"role": "user", "content": "tell me " + "a lot " * 60},
+        {"role": "assistant", "content": "sure", "reasoning_content": "thinking"},
+        {"role": "user", "content": "thanks"},
+        {"role": "assistant", "content": "welcome"},
+    ]
+    conversations = load_conversations([str(write_jsonl(tmp_path / "c.jsonl", [{"messages": messages}]))])
+    rows = tokenize_conversations(conversations, tokenizer, 30, overlong="drop", cache_dir=str(tmp_path / "cache"))
+    assert len(rows) == 1 and len(rows[0]["input_ids"]) <= 30 and any(rows[0]["loss_mask"])
 
 
 def lengths_encoded(monkeypatch) -> list[int]:
@@ -1097,7 +1124,7 @@ def test_overlong_policies(tmp_path, reference_tokenizer):
     assert len(full[0][0]) <= max_length < len(full[1][0]) and len(full[2][0]) > max_length
     cache = str(tmp_path / "cache")
 
-    with pytest.raises(UserError, match=r"c\.jsonl record 2: longer than data.max_length=60 tokens"):
+    with pytest.raises(UserError, match=r"c\.jsonl record 2: \d+ tokens is more than data.max_length=60"):
         tokenize_conversations(conversations, reference_tokenizer, max_length, overlong="error", cache_dir=cache)
 
     truncated = tokenize_conversations(

@@ -229,9 +229,25 @@ def test_memory_exhausted_while_the_outcome_is_decided_is_still_71(checkpoint, t
     line = assert_one_line_error(result, 71, prefix="out of memory: error return without exception set; ")
     assert "run the same command again to continue" in line
 
+    def bad_input(*args, **kwargs):
+        raise errors.UserError("export.num_speculative_tokens=9 is more than the drafter proposes")
+
+    monkeypatch.setattr(run, "serving_gamma", bad_input)  # an error of draftsmith's own classes keeps its code
+    assert_one_line_error(export(checkpoint, tmp_path, capsys), 2, prefix="error: export.num_speculative_tokens=9")
+
     monkeypatch.setattr(run, "serving_gamma", lambda *args, **kwargs: (_ for _ in ()).throw(MemoryError()))
     monkeypatch.setattr(errors, "hub_unreachable", lambda err: False)
     assert_one_line_error(export(checkpoint, tmp_path, capsys), 71, prefix="out of memory: MemoryError; give each")
+
+
+def test_an_error_chain_made_into_a_loop_is_walked_once(tmp_path, monkeypatch):
+    """A cause chain looped by hand was walked forever by each of the four walks of it (the stop behind an error, the
+    frames let go, the Hub's miss, the storage fault): one walk now, each error once."""
+    first, second = ValueError("a"), RuntimeError("b")
+    first.__cause__, second.__cause__ = second, first
+    assert list(errors.exception_chain(first)) == [first, second]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its traceback's log
+    assert errors.outcome(first)[0] == errors.EXIT_INTERNAL
 
 
 def test_an_eval_whose_report_would_land_inside_its_checkpoint_is_refused(checkpoint, capsys):

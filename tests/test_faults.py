@@ -111,6 +111,7 @@ def killed_after_first_write(args: list[str], watched: Path, seconds: float) -> 
             time.sleep(0.005)
         signal.setitimer(signal.ITIMER_REAL, seconds)
 
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the test process's handler, if it had one, is not the kill
     threading.Thread(target=arm, daemon=True).start()
     return entry_point(args)
 
