@@ -166,20 +166,44 @@ def test_an_answer_of_megabytes_is_encoded_only_as_far_as_the_row_keeps(referenc
     """One answer of tens of megabytes was encoded whole before data.max_length cut its row (20 MB: 45 s and 4 GB;
     88 MB aborted the process in the tokenizer's allocator). A row cut to k tokens is read from a prefix of the text
     now, doubled until two cuts agree on its first k + 1 tokens: the same tokens and mask as the whole text's, for
-    words, multi-byte characters and one word of 200,000 characters, from a quarter of the text or less."""
+    words, multi-byte characters and one word of 200,000 characters, from a quarter of the text or less, with a
+    byte-level BPE and a SentencePiece-style tokenizer (the whole text one BPE word)."""
     import random
 
     encoded = lengths_encoded(monkeypatch)
     words = random.Random(0).choices(["alpha", "béta", "🙂", "gamma\n", "x" * 300], k=6000)
-    for answer in (" ".join(words), "ab" * 100_000 + " end"):
-        messages = [{"role": "user", "content": "Summarise."}, {"role": "assistant", "content": answer}]
-        ids, mask = render_rows(reference_tokenizer, messages)[0]
-        for kept in (1, 17, 64, 300):
-            encoded.clear()
-            (cut_ids, cut_mask), *more = render_rows(reference_tokenizer, messages, kept_tokens=kept)
-            assert not more and len(cut_ids) == kept + 1, kept
-            assert (cut_ids, cut_mask) == (ids[: kept + 1], mask[: kept + 1]), kept
-            assert max(encoded) < len(answer) / 4, (kept, encoded)
+    for tokenizer in (reference_tokenizer, sentencepiece_style(reference_tokenizer.chat_template)):
+        for answer in (" ".join(words), "ab" * 100_000 + " end"):
+            messages = [{"role": "user", "content": "Summarise."}, {"role": "assistant", "content": answer}]
+            ids, mask = render_rows(tokenizer, messages)[0]
+            for kept in (1, 17, 64, 300):
+                encoded.clear()
+                (cut_ids, cut_mask), *more = render_rows(tokenizer, messages, kept_tokens=kept)
+                assert not more and len(cut_ids) == kept + 1, kept
+                assert (cut_ids, cut_mask) == (ids[: kept + 1], mask[: kept + 1]), kept
+                assert max(encoded) < len(answer) / 4, (kept, encoded)
+
+
+def sentencepiece_style(chat_template: str):
+    """A tokenizer as Llama-2's and Mistral's tokenizer.json are: spaces made "▁" and the whole text one BPE word (no
+    pre-tokenizer splits it), byte fallback, a BOS added; its merges learnt here from a few thousand words."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    words = ["alpha", "béta", "gamma", "the", "of", "and", "🙂", "123", "x" * 30, "\n"]
+    corpus = [" ".join(rng.choices(words, k=200)) for _ in range(100)]
+    model = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    model.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], max_token_length=40)
+    model.train_from_iterator(corpus, trainer)
+    model.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def test_a_prompt_of_megabytes_is_encoded_only_as_far_as_the_eval_keeps(reference_tokenizer, monkeypatch):
