@@ -31,8 +31,9 @@ Message = dict[str, Any]
 Row = tuple[list[int], list[int]]  # token ids and the 0/1 loss mask
 THINKING = ("train", "mask")
 # A row or prompt of which k tokens are kept is encoded from 64·(k + 1) of the text's characters at first (its first,
-# or its last), far more than tokens hold on real text: one answer of tens of megabytes took gigabytes to encode whole
-# (88 MB aborted the process in the tokenizer's allocator), every token past the cut thrown away
+# or its last) where it is more than twice as long, far more than tokens hold on real text: one answer of tens of
+# megabytes took gigabytes to encode whole (88 MB aborted the process in the tokenizer's allocator), every token past
+# the cut thrown away
 CHARACTERS_PER_KEPT_TOKEN = 64
 
 
@@ -312,8 +313,9 @@ def _encode(tokenizer, text: str, whole: Optional[str] = None) -> tuple[list[int
 def _encode_kept(
     tokenizer, text: str, kept_tokens: Optional[int], from_end: bool = False
 ) -> tuple[list[int], list[tuple[int, int]]]:
-    """`_encode(text)`; with `kept_tokens`, of a text longer than CHARACTERS_PER_KEPT_TOKEN·(kept_tokens + 1)
-    characters only its first kept_tokens + 1 tokens (`from_end`: its last), read from a prefix (a suffix) of it.
+    """`_encode(text)`; with `kept_tokens`, of a text more than twice CHARACTERS_PER_KEPT_TOKEN·(kept_tokens + 1)
+    characters long (a shorter one's cut would have no second cut inside it to agree with) only its first
+    kept_tokens + 1 tokens (`from_end`: its last), read from a prefix (a suffix) of it.
     A cut's tokens next to it may differ from the whole text's (a word cut in two), so the cut doubles until two cuts
     agree on the tokens kept, each holding more of them (a token the tokenizer adds at the other end, a BOS, is past
     them; the special tokens added are the whole text's). Two cuts agreeing is no proof: the tokens are the whole
@@ -321,10 +323,11 @@ def _encode_kept(
     (none did in fuzzing of byte-level BPE and SentencePiece-style tokenizers; at 8 a SentencePiece-style one did).
     A text whose cuts never agree, or hold no more than kept_tokens + 1 tokens (over 64 characters a token), is then
     encoded whole, at up to three times the cost of encoding it whole at once."""
-    if kept_tokens is not None:
+    length = None if kept_tokens is None else CHARACTERS_PER_KEPT_TOKEN * (kept_tokens + 1)
+    if length is not None and 2 * length < len(text):
         wanted = kept_tokens + 1
         held = slice(-wanted, None) if from_end else slice(wanted)  # the tokens a cut must agree on
-        length, shorter = CHARACTERS_PER_KEPT_TOKEN * wanted, None
+        shorter = None
         while length < len(text):
             ids, offsets = _encode(tokenizer, text[-length:] if from_end else text[:length], whole=text)
             if len(ids) > wanted and shorter is not None and shorter[held] == ids[held]:
