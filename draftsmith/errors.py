@@ -70,6 +70,11 @@ class CacheWriteFailed(StorageError):
     several commands, so `outcome` ends its line with the advice of the command that ran (`how_to_continue`)."""
 
 
+class OutOfMemory(Exception):
+    """Memory ran out where the job knows which of its settings asked for it (building the drafter): its line names
+    them, not a step's size; exit EXIT_OUT_OF_MEMORY."""
+
+
 class InternalError(Exception):
     """Something that cannot happen did (a draftsmith bug); exit EXIT_INTERNAL with the traceback kept.
     Any exception that is none of the above is treated the same way."""
@@ -129,6 +134,7 @@ OUTCOMES: tuple[tuple[type[BaseException], int, str], ...] = (
     (EngineUnavailable, EXIT_UNAVAILABLE, "engine unavailable"),
     (HubUnavailable, EXIT_UNAVAILABLE, "Hub unavailable"),
     (StorageError, EXIT_IO_ERROR, "I/O error"),
+    (OutOfMemory, EXIT_OUT_OF_MEMORY, "out of memory"),
     (Preempted, EXIT_PREEMPTED, "preempted"),
 )
 

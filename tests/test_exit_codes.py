@@ -20,7 +20,7 @@ import pytest
 
 from draftsmith import errors
 from draftsmith.target import load_target
-from tests.helpers import REFERENCE_TARGET, assert_one_line_error, run_entry_in_process, save_drafter, train_args
+from tests.helpers import REFERENCE_TARGET, REPO, assert_one_line_error, run_entry_in_process, save_drafter, train_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -198,6 +198,29 @@ def test_out_of_memory_exits_71_with_what_to_lower(raised, checkpoint, tmp_path,
     assert result.returncode == errors.EXIT_OUT_OF_MEMORY == 71
     line = assert_one_line_error(result, 71, prefix="out of memory: ")
     assert "train.micro_batch_size" in line and "run the same command again to continue" in line
+
+
+@pytest.mark.slow  # a real process filling its memory cap (about 15 s)
+def test_a_drafter_larger_than_the_memory_is_71_naming_its_settings_not_the_step(tmp_path, small_data, token_cache):
+    """A drafter whose settings need more memory than the machine has (Medusa heads of 100,000 blocks: 25 GB) ended
+    with exit 71's generic advice (a smaller micro-batch, a resume with train.resume=true, of a run that never began).
+    Built under a 4 GB address-space cap here, as a real process: the line names the drafter's settings, and nothing
+    is written."""
+    import resource
+
+    def capped():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    run = tmp_path / "run"
+    args = ["train.py", *train_args(run, small_data, token_cache, "drafter.num_layers=100000", "train.max_steps=1")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=600, env=env, preexec_fn=capped
+    )
+    line = assert_one_line_error(result, 71, prefix="out of memory: building the drafter (")
+    assert "drafter.num_heads=3, drafter.num_layers=100000" in line and "choose smaller ones" in line, line
+    assert "micro_batch_size" not in line and "train.resume" not in line, line
+    assert not run.exists()
 
 
 def test_memory_exhausted_while_the_outcome_is_decided_is_still_71(checkpoint, tmp_path, monkeypatch, capsys):
@@ -393,9 +416,10 @@ def test_a_diverged_training_run_exits_4(tmp_path, small_data, token_cache, caps
 
 def test_every_outcome_has_its_own_code():
     # one meaning per code: 3 a failed check (the eval's, the export's), 69 a service out of reach (an engine, the Hub)
-    shared = (errors.EXIT_CHECK_FAILED, errors.EXIT_UNAVAILABLE)
+    # and 71 memory exhausted (OutOfMemory: where the settings that asked for it are known)
+    shared = (errors.EXIT_CHECK_FAILED, errors.EXIT_UNAVAILABLE, errors.EXIT_OUT_OF_MEMORY)
     codes = [code for _, code, _ in errors.OUTCOMES if code not in shared]
-    codes += [*shared, errors.EXIT_INTERNAL, errors.EXIT_OUT_OF_MEMORY, errors.EXIT_INTERRUPTED]
+    codes += [*shared, errors.EXIT_INTERNAL, errors.EXIT_INTERRUPTED]
     assert len(codes) == len(set(codes))
     from draftsmith.monitor import Outcome
 

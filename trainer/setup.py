@@ -24,7 +24,7 @@ from draftsmith.data_prep.dataset import load_tokenized, require_context
 from draftsmith.data_prep.features import expected_features, open_features, require_captured_settings
 from draftsmith.data_prep.local_files import source_files
 from draftsmith.data_prep.overlap import PromptCount, eval_in_train, prompts_in_train, warn_of_prompts_in_train
-from draftsmith.errors import UserError
+from draftsmith.errors import OutOfMemory, UserError, one_line, out_of_memory
 from draftsmith.eval.prompts import prompt_conversations, prompt_sources, render_prompts
 from draftsmith.eval.report import check_eval_stage
 from draftsmith.eval.target_checks import check_target
@@ -244,12 +244,26 @@ def load_data(cfg: DictConfig, accelerator: Accelerator, tokenizer, digests: dic
 
 
 def build_drafter(cfg: DictConfig, target, device: torch.device):
-    """The recipe's drafter for `target`, freshly initialised on `device`."""
-    with built_whole():  # whole under ZeRO-3 too: accelerator.prepare() partitions the drafter itself
-        drafter = drafter_class(cfg.drafter.type).from_target(
-            OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
+    """The recipe's drafter for `target`, freshly initialised on `device`; one its settings make larger than the
+    memory is OutOfMemory naming them (the generic line would advise a smaller step, and a resume of nothing)."""
+    try:
+        with built_whole():  # whole under ZeRO-3 too: accelerator.prepare() partitions the drafter itself
+            drafter = drafter_class(cfg.drafter.type).from_target(
+                OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
+            )
+        drafter = drafter.to(device)
+    except Exception as err:  # noqa: BLE001 - memory exhausted is worded here, anything else raised as it was
+        if not out_of_memory(err):
+            raise
+        counts = ", ".join(
+            f"drafter.{key}={value}"
+            for key, value in cfg.drafter.items()
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1
         )
-    drafter = drafter.to(device)
+        raise OutOfMemory(
+            f"building the drafter ({one_line(err) or type(err).__name__}): its settings ({counts}) make a drafter "
+            "larger than this machine's memory; choose smaller ones"
+        ) from err
     if (untrainable := drafter.untrainable_on(device)) is not None:  # before the run writes anything
         raise UserError(untrainable)
     drafter.loss_chunk_bytes = cfg.train.vocab_chunk_mb << 20
