@@ -140,11 +140,12 @@ def require_context(target, max_length: int, config=None, new_tokens: Optional[t
         raise no_room(*new_tokens, context, stated)
 
 
-def no_room(key: str, new: int, context: int, stated: str) -> UserError:
-    """The refusal of `key`=`new` tokens generated after a prompt in a target's context of `context` tokens."""
+def no_room(key: str, new: int, context: int, stated: str, prompt_tokens: int = 1) -> UserError:
+    """The refusal of `key`=`new` tokens generated after a prompt (of `prompt_tokens` at least) in a target's context
+    of `context` tokens."""
     return UserError(
         f"{key}={new} leaves no room for a prompt in the target's context of {context} tokens ({stated}): set {key} "
-        f"below {context}"
+        f"to {context - prompt_tokens} or less"
     )
 
 

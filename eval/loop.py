@@ -152,12 +152,16 @@ class DecodeState:
         select_rows(self.cache, torch.tensor(list(keep), device=key_layers(self.cache)[0].keys.device), width)
 
 
+# the tokens a prompt has at least: all but its last are cached, and the last is the first root
+SHORTEST_PROMPT = 2
+
+
 @torch.no_grad()
 def prefill(model, prompts: Sequence[Sequence[int]], request: FeatureRequest = FeatureRequest()) -> DecodeState:
     """Cache every prompt except its last token, which becomes the row's first root. Shorter prompts
     are left-padded; a prompt token sees its own row's causal prefix, padding only padding."""
-    if any(len(prompt) < 2 for prompt in prompts):
-        raise UserError("a prompt needs at least 2 tokens (the chat template alone gives more)")
+    if any(len(prompt) < SHORTEST_PROMPT for prompt in prompts):
+        raise UserError(f"a prompt needs at least {SHORTEST_PROMPT} tokens (the chat template alone gives more)")
     if len(prompts) > 1 and reads_in_order(model.config):
         raise ValueError(
             "a target with linear, compressed, block-sparse or convolved attention decodes rows one at a time "

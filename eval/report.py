@@ -42,7 +42,7 @@ from draftsmith.data_prep.overlap import PromptCount, prompts_in_train
 from draftsmith.engines import SUFFIX, suffix_decoding_installed
 from draftsmith.errors import NotLossless, UserError
 from draftsmith.eval.counts import Counts, ratio, report_row, summed
-from draftsmith.eval.loop import generate
+from draftsmith.eval.loop import SHORTEST_PROMPT, generate
 from draftsmith.eval.methods import Method, build_methods
 from draftsmith.eval.partings import parting, rounding_unit
 from draftsmith.eval.prompts import ALL, eos_ids_of, prompt_conversations, prompt_sources, render_prompts
@@ -233,8 +233,8 @@ def prompt_room(cfg, say: bool = True, config=None) -> int:
     length, new = int(cfg.data.max_length), int(cfg.eval.max_new_tokens)
     if context is None or length + new <= context:
         return length
-    if new >= context:
-        raise no_room("eval.max_new_tokens", new, context, stated)
+    if new > context - SHORTEST_PROMPT:  # prompts of fewer tokens are refused by the loop, after the whole run
+        raise no_room("eval.max_new_tokens", new, context, stated, SHORTEST_PROMPT)
     if say:
         print(
             f"note: eval prompts are cut to their last {context - new} tokens, not data.max_length={length}: with "

@@ -1081,7 +1081,7 @@ def test_max_length_beyond_the_targets_context_is_refused_by_every_command(tmp_p
     line = assert_one_line_error(run_entry_in_process(["-m", "data_prep.regenerate", *args], capsys), 2)
     assert line == (
         "error: data.regenerate.max_new_tokens=3000 leaves no room for a prompt in the target's context of 2048 tokens "
-        "(max_position_embeddings=2048): set data.regenerate.max_new_tokens below 2048"
+        "(max_position_embeddings=2048): set data.regenerate.max_new_tokens to 2047 or less"
     )
 
 
