@@ -305,7 +305,7 @@ def architecture(config: DrafterConfig) -> dict[str, Any]:
     """What a drafter config fixes about its weights' function: every key but its SETTINGS, what
     from_target resolves from the target (RESOLVED) and the released weights a fresh one starts from (STARTS)."""
     skipped = {*config.SETTINGS, *config.RESOLVED, *config.STARTS}
-    return {key: value for key, value in asdict(config).items() if key not in skipped}
+    return config.resolved({key: value for key, value in asdict(config).items() if key not in skipped})
 
 
 def filled_from_target(key: str) -> UserError:

@@ -8,7 +8,7 @@ import it.
 from __future__ import annotations
 
 from dataclasses import MISSING, fields
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from draftsmith.errors import UserError
 
@@ -38,6 +38,12 @@ class DrafterConfig:
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         """Raise a one-line UserError for a bad setting. `target`: the target's shape when known."""
+
+    def resolved(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """`fields` (this config's, by key) with a null that stands for a value this config knows once from_target
+        filled it in replaced by that value: two drafters compare alike however their recipes said it
+        (`architecture`)."""
+        return fields
 
     def check_read(self) -> None:
         """Raise a one-line UserError for a setting changed from its default that the config's other settings leave

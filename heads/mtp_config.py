@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from draftsmith.errors import UserError
 from draftsmith.heads import register_config
@@ -35,6 +35,11 @@ class MtpConfig(DrafterConfig):
     # DeepSeek and GLM models zero it, SGLang's (NextN) read it (formats/mtp_sglang.py); null: as vLLM does
     masks_first_position: Optional[bool] = None
     decoder: Optional[dict] = None  # the MTP layer's classes, config and layout, resolved by from_target
+
+    def resolved(self, fields: dict[str, Any]) -> dict[str, Any]:
+        from draftsmith.heads.mtp_depths import depth_count  # torch: not imported where recipes are checked
+
+        return fields | {"mtp_depths": depth_count(self)}  # null: the release's count or 1, as built
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         check_tree_settings(self)

@@ -146,11 +146,18 @@ def longest_chain(config) -> Optional[int]:
     the eval reports and the export serves, as for every kind's `max_chain`. A null count (Inkling's release count)
     is read from the layer's config once it is resolved (`decoder`, kept in the checkpoint: a train's recipe check
     has none yet, the eval's, export's and sweep's read the checkpoint's)."""
-    decoder = config.decoder or {}
-    total = config.mtp_depths
-    if total is None and "config" in decoder and LAYOUTS[decoder["architecture"]].count_block:
-        total = count(SimpleNamespace(**decoder["config"]))
+    total = depth_count(config)
     return total if total is not None and total > 1 else None
+
+
+def depth_count(config) -> Optional[int]:
+    """The depths a drafter of `config` (MtpConfig) holds: `drafter.mtp_depths`, else the release's count of a layout
+    counting them in a block, else 1; None where a null count waits for the layer's config (`decoder`, resolved by
+    from_target)."""
+    decoder = config.decoder or {}
+    if config.mtp_depths is not None or "config" not in decoder:
+        return config.mtp_depths
+    return count(SimpleNamespace(**decoder["config"])) if LAYOUTS[decoder["architecture"]].count_block else 1
 
 
 def prefix(layout: Layout, depth: int, num_hidden_layers: int) -> str:

@@ -243,6 +243,34 @@ def train_and_export(folder: Path, tmp_path: Path, small_data, token_cache, caps
     assert run_entry_in_process(export, capsys).returncode == 0
 
 
+def test_a_runs_own_export_warm_starts_it_and_a_null_depth_count_is_the_count_it_stands_for(
+    tmp_path, small_data, token_cache, capsys
+):
+    """`drafter.mtp_depths` null (the recipe's) is the release's count, else 1: a warm start from the run's own export
+    (which reads its count from the folder: 1) was refused as `another architecture ... drafter.mtp_depths=null (the
+    folder has 1)`, and so was a resume saying 1 of a run begun with null; the monitor's retraining warm-starts from
+    the served export the same way. Both run now; another count is still refused."""
+    folder = write_random_target("glm4_moe", tmp_path / "target", **SHAPE)
+    write_random_layer(folder)
+    run = tmp_path / "run"
+    args = mtp_args(folder, run, small_data, token_cache, save_every=1)
+    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
+    export = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={tmp_path / 'export'}"]
+    assert run_entry_in_process(export, capsys).returncode == 0
+    warm = mtp_args(folder, tmp_path / "warm", small_data, token_cache)
+    started = run_entry_in_process(["train.py", *warm, f"train.init_from={tmp_path / 'export' / 'vllm'}"], capsys)
+    assert started.returncode == 0 and "warm start from" in started.stderr, started.stderr
+    shutil.rmtree(run / "checkpoints" / "step_0000002")
+    shutil.rmtree(run / "final")
+    resumed = run_entry_in_process(["train.py", *args, "train.resume=true", "drafter.mtp_depths=1"], capsys)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr
+    shutil.rmtree(tmp_path / "warm")
+    other = run_entry_in_process(
+        ["train.py", *warm, f"train.init_from={tmp_path / 'export' / 'vllm'}", "drafter.mtp_depths=2"], capsys
+    )
+    assert assert_one_line_error(other, 2)
+
+
 def test_a_qwen3_next_release_without_a_count_in_its_config_trains_its_shipped_layer_and_exports_its_config(
     tmp_path, small_data, token_cache, capsys
 ):
