@@ -101,8 +101,16 @@ def check_ships_a_layer(config: dict, layout: Layout, name_or_path: str) -> None
     if not layout.shipped_layers(tensor_names(checkpoint_folder(name_or_path, READER)), layers):
         raise UserError(
             f"drafter.type=mtp: the target ships no MTP layer (its config.json has no {layout.count_key} and its "
-            f"weights no tensor named {layout.layers_named(layers)}); train another kind"
+            f"weights no tensor named {layout.layers_named(layers)}; transformers drops them when it saves a model): "
+            f"point target.name_or_path at the released checkpoint, or train another kind ({RANDOM_LAYER})"
         )
+
+
+# what gives a tiny target of the docs' "Try it" a layer to fine-tune (docs/targets-mtp.md)
+RANDOM_LAYER = (
+    "a target written by python -m draftsmith.random_target gets a random one from python -m "
+    "draftsmith.heads.mtp_random_layer DIRECTORY"
+)
 
 
 def text_fields(config: dict) -> dict:
@@ -154,9 +162,7 @@ def check_target_folder(
     if not any(name.startswith(prefix) for name in tensor_names(folder)):
         raise UserError(
             f"drafter.type=mtp: {folder}'s weights hold no MTP layer (no tensor named {prefix}*; transformers drops "
-            "it when it saves a model): point target.name_or_path at the released checkpoint (a target written by "
-            "python -m draftsmith.random_target gets a random one from python -m draftsmith.heads.mtp_random_layer "
-            "DIRECTORY)"
+            f"it when it saves a model): point target.name_or_path at the released checkpoint ({RANDOM_LAYER})"
         )
 
 

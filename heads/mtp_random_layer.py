@@ -18,13 +18,15 @@ if __name__ == "__main__":  # run before the imports below (torch's: seconds), w
     run_cli(lambda argv: importlib.import_module("draftsmith.heads.mtp_random_layer").write_command(argv))
 
 import json
+import stat
 from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
+from draftsmith.files import save_safetensors
 from draftsmith.heads import mtp_depths
 from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.heads.mtp import Mtp, text_fields
@@ -83,7 +85,9 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0, 
     layers = decoder_layers(text)
     written = drafter.checkpoint_tensors().items()
     tensors |= {mtp_depths.release_name(layout, name, layers): t.contiguous() for name, t in written}
-    save_file(tensors, str(weights), metadata={"format": "pt"})
+    mode = stat.S_IMODE(weights.stat().st_mode)  # safetensors writes a private file (0600) in the file's place
+    save_safetensors(tensors, weights, metadata={"format": "pt"})
+    weights.chmod(mode)
 
 
 def write_command(argv: list[str]) -> None:

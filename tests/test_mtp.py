@@ -211,8 +211,12 @@ def test_targets_without_a_served_mtp_layer_are_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match=r"Gemma4ForCausalLM target ships no MTP layer: .* \(an assistant model: "):
         MTP.Config().check(local_target_shape(str(gemma)))
     bare = write_random_target("qwen3_next", tmp_path / "bare", **SHAPE)  # no MTP layer count, no MTP tensor
-    with pytest.raises(UserError, match=r"ships no MTP layer \(its config.json has no num_nextn_predict_layers and "
-                       r"its weights no tensor named mtp.layers.{j}.\*\)"):  # fmt: skip
+    said = (
+        r"ships no MTP layer \(its config.json has no num_nextn_predict_layers and its weights no tensor named "
+        r"mtp.layers.{j}.\*; .*: point target.name_or_path at the released checkpoint, or train another kind \(.* "
+        r"draftsmith.heads.mtp_random_layer DIRECTORY\)$"
+    )
+    with pytest.raises(UserError, match=said):
         MTP.Config().check(local_target_shape(str(bare)))
     saved = write_random_target("glm4_moe", tmp_path / "saved", **SHAPE)  # a count, but saved by transformers
     with pytest.raises(UserError, match=r"weights hold no MTP layer \(no tensor named model.layers.4.\*"):
@@ -249,9 +253,12 @@ def test_a_runs_own_export_warm_starts_it_and_a_null_depth_count_is_the_count_it
     """`drafter.mtp_depths` null (the recipe's) is the release's count, else 1: a warm start from the run's own export
     (which reads its count from the folder: 1) was refused as `another architecture ... drafter.mtp_depths=null (the
     folder has 1)`, and so was a resume saying 1 of a run begun with null; the monitor's retraining warm-starts from
-    the served export the same way. Both run now; another count is still refused."""
+    the served export the same way. Both run now; another count is still refused. The layer's writer keeps the weights'
+    file mode (it was left 0600, unreadable to a serving process of another user)."""
     folder = write_random_target("glm4_moe", tmp_path / "target", **SHAPE)
+    mode = (folder / "model.safetensors").stat().st_mode
     write_random_layer(folder)
+    assert (folder / "model.safetensors").stat().st_mode == mode
     run = tmp_path / "run"
     args = mtp_args(folder, run, small_data, token_cache, save_every=1)
     assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
