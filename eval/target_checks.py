@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import DummyLayer
 
 from draftsmith.caches import RecordedStates, cut_keys, new_cache, recordable_layers
-from draftsmith.errors import UserError, one_line
+from draftsmith.errors import UserError, one_line, out_of_memory
 from draftsmith.eval.trees import attention_masks
 from draftsmith.families import LINEAR, ROLLED_BACK, layer_types, reads_in_order
 from draftsmith.scans import scan_chunks
@@ -80,13 +80,32 @@ def check_finite_logits(model) -> None:
     device = model.get_output_embeddings().weight.device
     ids = torch.arange(1, 5, device=device)[None] % (model.config.get_text_config().vocab_size - 1) + 1
     with scan_chunks(model, ids.shape[1]):  # as the loop's forwards scan
-        finite = run_target(model, ids).logits.isfinite().all()
+        try:
+            finite = run_target(model, ids).logits.isfinite().all()
+        except Exception as err:  # noqa: BLE001 - bad input only where transformers' own forward fails too
+            require_own_forward(model, ids, err)
+            raise
     if not finite:
         raise UserError(
             f"the target ({type(model).__name__}) computes non-finite logits (NaN or inf) on a 4-token probe: its "
             "weights hold non-finite values (a damaged file), or its dtype cannot hold what it computes"
         )
     _FINITE.add(model)
+
+
+def require_own_forward(model, ids: torch.Tensor, err: Exception) -> None:
+    """A probe's forward that failed with `err` is the target's config where transformers' own forward of the model,
+    on the same tokens, fails as well (attention heads that its key-value heads do not divide: a hand-made config):
+    one line. Else the failure is draftsmith's (its forward's settings), raised by the caller as it was."""
+    if out_of_memory(err):
+        return
+    try:
+        model(input_ids=ids)
+    except Exception as own:  # noqa: BLE001 - whatever the model raises is the model's
+        raise UserError(
+            f"the target ({type(model).__name__}) fails transformers' own forward on a 4-token probe "
+            f"({one_line(own, with_type=True)}): its config.json describes a model transformers cannot run"
+        ) from None
 
 
 @torch.no_grad()

@@ -153,6 +153,29 @@ def test_weights_of_other_shapes_than_the_config_gives_and_non_finite_ones_are_n
     assert line == f"error: {checkpoint / 'model.safetensors'}: corrupt weights file (non-finite values in {name})"
 
 
+def test_a_target_whose_own_forward_fails_in_transformers_is_refused_before_training(
+    tmp_path, small_data, token_cache, capsys
+):
+    """A hand-made config transformers cannot run (4 attention heads over 3 key-value heads: its own forward fails)
+    was `internal error (a draftsmith bug ...)`, exit 70, from the eval's probe, or from the first training step with
+    no eval stage; it is one line naming transformers' error, exit 2, before the data loads or anything is written.
+    A probe that fails where transformers' own forward runs stays a draftsmith bug (exit 70)."""
+    import draftsmith.eval.target_checks as target_checks
+    from draftsmith.random_target import write_random_target
+    from tests.helpers import train_args
+
+    folder = write_random_target("llama", tmp_path / "target", num_key_value_heads=3)
+    run = tmp_path / "run"
+    result = run_entry_in_process(
+        ["train.py", *train_args(run, small_data, token_cache, f"target.name_or_path={folder}")], capsys
+    )
+    line = assert_one_line_error(result, 2, "fails transformers' own forward on a 4-token probe (RuntimeError: ")
+    assert line.endswith("its config.json describes a model transformers cannot run"), line
+    assert not run.exists()
+    # a target transformers runs: the probe's failure is not put on it (its caller raises it as it was, exit 70)
+    target_checks.require_own_forward(load_target(str(REFERENCE_TARGET)), torch.tensor([[1, 2, 3, 4]]), ValueError())
+
+
 def test_a_drafter_config_whose_json_is_null_or_whose_drafter_section_is_a_list_is_named(tmp_path):
     """Both were exit 70 (a TypeError in the kind's read, an AttributeError in the config's); a kind this draftsmith
     has not is named with the file."""

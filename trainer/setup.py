@@ -27,7 +27,7 @@ from draftsmith.data_prep.overlap import PromptCount, eval_in_train, prompts_in_
 from draftsmith.errors import OutOfMemory, UserError, one_line, out_of_memory
 from draftsmith.eval.prompts import prompt_conversations, prompt_sources, render_prompts
 from draftsmith.eval.report import check_eval_stage
-from draftsmith.eval.target_checks import check_target
+from draftsmith.eval.target_checks import check_finite_logits, check_target
 from draftsmith.families import largest_eval_batch
 from draftsmith.formats.folder import require_recipes_drafter, require_recipes_kind, start_kind, warm_start
 from draftsmith.heads import drafter_class
@@ -143,6 +143,8 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
     if resume_from is not None:  # the run's target: another of its shape would train on from the run's weights
         check_same_target(saved_target, TargetShape.of(target, cfg.target.name_or_path), resumed_what)
+    if cfg.target.shard == "none":  # a target whose own forward fails or whose logits are not finite: bad input
+        check_finite_logits(target)
     if cfg.eval.enabled and cfg.target.shard == "none":  # what the eval stage's loop cannot decode, refused now
         longest = int(cfg.data.max_length) + int(cfg.eval.max_new_tokens)  # a prompt of data.max_length and its answer
         check_target(target, tree=int(cfg.eval.tree) > 0, batch=largest_eval_batch(cfg.eval) > 1, length=longest)
