@@ -50,6 +50,7 @@ from draftsmith.heads import mtp_depths
 from draftsmith.heads.mtp import text_fields
 from draftsmith.heads.mtp_family import decoder_layers
 from draftsmith.heads.mtp_layer import Layout, shipped_config
+from draftsmith.heads.mtp_layouts import LAYOUTS
 
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm NEXTN "
@@ -141,6 +142,21 @@ def computed_as(architecture: str) -> dict:
     return COMPUTED_AS | COMPUTES.get(sglang_model(architecture), {})
 
 
+def vllm_instead(drafter) -> str:
+    """What a line refusing SGLang advises: the vllm export; for a drafter trained for SGLang alone (the embedding at
+    position 0 read, drafter.masks_first_position=false, which vLLM's models zero) training it for vLLM first; for a
+    target no vLLM release serves the MTP layer of, that neither engine would."""
+    released = LAYOUTS[drafter.config.decoder["architecture"]]
+    if released.vllm_refused:
+        return "no engine serves it here (no vLLM release checked serves this target's MTP layer either)"
+    if drafter.layout.masks_first_position == released.masks_first_position:
+        return "export it for vllm"
+    return (
+        "no engine serves this drafter as it trained (drafter.masks_first_position=false, for SGLang alone): train it "
+        "with drafter.masks_first_position unset and export it for vllm"
+    )
+
+
 def refuse(drafter, target: TargetInfo) -> None:
     """One line for why SGLang would not serve this MTP drafter as it trained, from the configs alone."""
     model = sglang_model(drafter.config.decoder["architecture"])
@@ -173,17 +189,17 @@ def refuse(drafter, target: TargetInfo) -> None:
     if model in FUSED_EH_NORM and not (256 < hidden <= 8192 and hidden % 256 == 0):
         raise UserError(
             f"SGLang's {model} norms its inputs with a CUDA kernel (fused_eh_norm) that refuses hidden_size={hidden} "
-            "(it takes multiples of 256 from 512 to 8192): export it for vllm"
+            f"(it takes multiples of 256 from 512 to 8192): {vllm_instead(drafter)}"
         )
     if model in MISREADS_ONE_LAYER and decoder_layers(text_fields(target.config)) == 1:
         raise UserError(
             f"SGLang's {model} does not load a one-layer target's MTP layer (layer 1): its loader then reads layer 0, "
-            "the decoder's own: export it for vllm"
+            f"the decoder's own: {vllm_instead(drafter)}"
         )
     if model in WRAPPED and target.config_json.get("architectures") != [WRAPPED[model]]:
         raise UserError(
             f"SGLang builds its {model} from a {WRAPPED[model]} target only (the release's wrapper: it has no model "
-            f"for {drafter.config.decoder['architecture']}): export it for vllm"
+            f"for {drafter.config.decoder['architecture']}): {vllm_instead(drafter)}"
         )
     dtype, why = SERVED_DTYPE.get(model, (None, ""))
     if dtype and target.config.get("dtype") != dtype:
@@ -195,7 +211,7 @@ def refuse(drafter, target: TargetInfo) -> None:
     shipped = text_fields(shipped_config(target.shape.name_or_path, target.config))
     why = read_otherwise(shipped, text_fields(target.config)) if read_otherwise else ""
     if why:
-        raise UserError(f"SGLang's {model} {why}: export it for vllm")
+        raise UserError(f"SGLang's {model} {why}: {vllm_instead(drafter)}")
 
 
 def repo(source: Source, gamma: int, layout: Layout, config: dict, tensors: dict, expected: dict) -> EngineRepo:

@@ -237,13 +237,16 @@ def test_a_layer_sglang_would_compute_otherwise_is_refused_in_one_line(family, c
 def test_sglangs_kernel_and_layer_reading_limits_are_refused_and_a_zeroed_position_no_engine_computes(tmp_path):
     """DeepSeek's NextN norms with a CUDA kernel that refuses a hidden size not a multiple of 256 (the tiny
     targets'), reads a one-layer target's own layer 0 as the MTP layer; and zeroing position 0 where vLLM does not is
-    refused at the recipe's check, before anything loads."""
+    refused at the recipe's check, before anything loads. A drafter trained for SGLang alone (position 0 read) is not
+    sent to the vllm export, which refuses it: the line says no engine serves it as trained."""
     narrow = write_random_target("deepseek_v3", tmp_path / "narrow", **SHAPE)
     write_random_layer(narrow)
     model = AutoModelForCausalLM.from_pretrained(narrow, dtype=torch.float32).eval().requires_grad_(False)
     drafter = MTP.from_target(MTP.Config(**FOR_SGLANG), model, str(narrow))
     info = TargetInfo(TargetShape.of(model, str(narrow)), model.config.to_dict(), str(narrow), config_json(model))
-    with pytest.raises(UserError, match=r"fused_eh_norm\) that refuses hidden_size=64"):
+    with pytest.raises(UserError, match=r"fused_eh_norm\) that refuses hidden_size=64 .*: no engine serves this "
+                       r"drafter as it trained \(drafter.masks_first_position=false, for SGLang alone\): train it with "
+                       r"drafter.masks_first_position unset and export it for vllm$"):  # fmt: skip
         exporter_for("mtp").refuse("sglang", drafter, info, "speculators")
     one_layer = TargetInfo(
         info.shape, {**info.config, "hidden_size": 512, "num_hidden_layers": 1}, str(narrow), info.config_json
@@ -260,8 +263,8 @@ def test_sglangs_kernel_and_layer_reading_limits_are_refused_and_a_zeroed_positi
     "model_type, cases",
     [
         ("deepseek_v4", [  # a 48-key window as written
-            ({}, r"SGLang's DeepseekV4ForCausalLMNextN attends the last 128 keys .*sliding_window is 48: export it"),
-            ({"sliding_window": 128, "swiglu_limit": None}, r"as DeepSeek-V3's, .* it lacks swiglu_limit: export it"),
+            ({}, r"DeepseekV4ForCausalLMNextN attends the last 128 keys .*sliding_window is 48: no engine serves"),
+            ({"sliding_window": 128, "swiglu_limit": None}, r"V3's, .* it lacks swiglu_limit: no engine serves"),
             ({"sliding_window": 128, "q_head_norm": False}, r"reads q_head_norm=false or hc_pre_from_prev_sublayer"),
             ({"sliding_window": 128, "hc_pre_from_prev_sublayer": True}, r"hc_pre_from_prev_sublayer=true \(V4.1's"),
             ({"sliding_window": 128}, None),
@@ -294,7 +297,7 @@ def test_sglangs_kernel_and_layer_reading_limits_are_refused_and_a_zeroed_positi
         ]),
         ("hy_v4", [
             ({"mlp_layer_types": ["dense"] * 4}, r"HYV4ForCausalLMNextN builds the layer with experts, and draftsmith "
-             r"\(vLLM\) the target's last layer's dense MLP: export it for vllm"),
+             r"\(vLLM\) the target's last layer's dense MLP: no engine serves this drafter as it trained"),
             ({"n_group": 2, "topk_group": 1}, r"routes ungrouped \(it sets n_group and topk_group to 1; the "
              r"target's: 2, 1\)"),
             ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}, r"DeepSeek's YaRN"),
@@ -544,8 +547,8 @@ def test_a_dots3_note_releases_layer_trained_for_sglang_exports_its_flat_config_
         exporter.build("sglang", source, 4, tmp_path / "sglang4")
     cases = [
         ({"swa_num_attention_heads": None}, r"Dots3NoteForCausalLMNextN reads swa_num_attention_heads as 32 \(its "
-         r"default: the config.json lacks it\), where draftsmith \(transformers\) computes the layer with 2: export "
-         r"it"),
+         r"default: the config.json lacks it\), where draftsmith \(transformers\) computes the layer with 2: no "
+         r"engine serves this drafter as it trained"),
         ({"sliding_window_size": None}, r"reads sliding_window_size as 512 \(its default"),
         ({"swa_rope_theta": None}, r"reads swa_rope_theta as 80000000.0 \(its default: .* with 50000.0"),
         ({"mtp_layer_types": ["full_attention"]}, r"builds the layer with sliding-window attention, and "
