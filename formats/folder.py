@@ -317,7 +317,14 @@ def require_target_before_load(path: Path, section) -> None:
     """`load_drafter`'s check that the target is the one the drafter at `path` was made for, before the target loads
     (minutes, for a large one): a local target's shape and the records of its weights read alone from its checkpoint
     (`stored_records`: a few rows). A Hub target, a quantized one (its stored values are not the ones it loads) and an
-    engine folder at `path` are checked as the target loads."""
+    engine folder at `path` are checked as the target loads. `path` the target's own folder is refused: a causal LM's
+    folder reads as a draft model's export (an MTP release's, which ships its layer, too), refused as another kind's
+    and then as weights its config does not describe."""
+    if Path(section.name_or_path).is_dir() and path.is_dir() and path.samefile(section.name_or_path):
+        raise UserError(
+            f"checkpoint={path} is the target's own folder (target.name_or_path): checkpoint= names a drafter, a "
+            "training run's final/ or checkpoint or an export's folder"
+        )
     if not Path(section.name_or_path).is_dir() or not is_drafter_checkpoint(path):
         return
     from draftsmith.target import empty_target

@@ -273,6 +273,20 @@ def test_an_error_chain_made_into_a_loop_is_walked_once(tmp_path, monkeypatch):
     assert errors.outcome(first)[0] == errors.EXIT_INTERNAL
 
 
+def test_a_checkpoint_that_is_the_targets_own_folder_is_named_so(tmp_path, capsys):
+    """checkpoint= naming the target's folder (an MTP release ships its layer: a likely mistake) read as a draft model's
+    export: `holds a draft_model drafter ... pass recipe=draft`, and with that recipe `its model.safetensors is not what
+    its config.json describes`, of a file that is fine. Eval and export say what the folder is, before any load."""
+    for command in ("eval", "export"):
+        args = ["-m", command, "recipe=medusa", f"checkpoint={REFERENCE_TARGET}", f"output_dir={tmp_path / 'run'}"]
+        line = assert_one_line_error(run_entry_in_process([*args, f"export.output={tmp_path / 'out'}"], capsys), 2)
+        assert line == (
+            f"error: checkpoint={REFERENCE_TARGET} is the target's own folder (target.name_or_path): checkpoint= names "
+            "a drafter, a training run's final/ or checkpoint or an export's folder"
+        )
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+
+
 def test_an_eval_whose_report_would_land_inside_its_checkpoint_is_refused(checkpoint, capsys):
     """`checkpoint=X output_dir=X` wrote eval/ into the checkpoint, changing the sha256 the report names it by: the
     export then refused the report as of other weights, and its advice (evaluate it) did the same again."""
