@@ -25,9 +25,9 @@ was a rejected draft. With x_t the tokens, f_t the target's final hidden state a
 modules depth i ships, its final norm among them, which vLLM's compute_logits reads at step i). Training (`loss`)
 computes exactly that for every t, step i by depth i % D; decoding (`DepthsProposer`) keeps each step's cache over
 the committed positions whose tokens it read were committed. vLLM's V1 model runner (the CPU build's) passes no step
-(EagleProposer): it would run depth 0 at every step. A step i >= D runs depth i % D
-here on a cache of its own, where vLLM's speculator writes its entries into that depth's cache at the query's slots:
-the eval's and the export's chains are held to D (`longest_chain`), training's steps are not.
+(EagleProposer): it would run depth 0 at every step. A step i >= D runs depth i % D here on a cache of its own, where
+vLLM's speculator writes its entries into that depth's cache at the query's slots: the eval's and the export's chains
+are held to D (`longest_chain`), training's steps are not.
 Depth 0 is the drafter's own modules (heads/mtp.py); depth j >= 1 is `depths[j - 1]`, exported under its release
 names (`prefix`; named `depths.{j}.` in the drafter's checkpoint tensors), and the count with them.
 """
@@ -139,21 +139,14 @@ def check_target_depths(name_or_path: str, depths: Optional[int]) -> None:
 
 
 def longest_chain(config) -> Optional[int]:
-    """The longest chain a drafter of `config` (MtpConfig) serves as it trained (`Mtp.max_chain`): its depth count D
-    where D > 1, else None (one layer at every step, at any length). vLLM runs a step i >= D by depth i % D and writes
-    its entries into that depth's KV cache at the query's slots, where `DepthsProposer` keeps a cache per step: the
-    eval would measure another drafter than the engine serves. Refused, not capped: the γ a recipe names is the one
-    the eval reports and the export serves, as for every kind's `max_chain`. A null count (Inkling's release count)
-    is read from the layer's config once it is resolved (`decoder`, kept in the checkpoint: a train's recipe check
-    has none yet, the eval's, export's and sweep's read the checkpoint's)."""
-    total = depth_count(config)
-    return total if total is not None and total > 1 else None
+    """The longest chain a drafter of `config` (MtpConfig) serves as it trained (`Mtp.max_chain`, refused past, not
+    capped): its depth count D where D > 1 (a step i >= D: the module docstring), else None (one layer, any length)."""
+    return total if (total := depth_count(config) or 1) > 1 else None
 
 
 def depth_count(config) -> Optional[int]:
-    """The depths a drafter of `config` (MtpConfig) holds: `drafter.mtp_depths`, else the release's count of a layout
-    counting them in a block, else 1; None where a null count waits for the layer's config (`decoder`, resolved by
-    from_target)."""
+    """The depths a drafter of `config` (MtpConfig) holds: drafter.mtp_depths, else the release's count of a layout
+    counting them in a block, else 1; None where a null count waits for `decoder` (from_target's, or a checkpoint's)."""
     decoder = config.decoder or {}
     if config.mtp_depths is not None or "config" not in decoder:
         return config.mtp_depths

@@ -357,7 +357,8 @@ def test_the_demo_targets_layer_trains_for_sglang_and_its_folder_evaluates_like_
     train += ["data.max_length=64", "train.max_steps=2", "train.micro_batch_size=2", "train.warmup_steps=0"]
     run = tmp_path / "run"
     train += ["eval.enabled=false", f"output_dir={run}"]
-    assert run_entry_in_process(["train.py", "recipe=mtp", *settings, *train], capsys).returncode == 0
+    trained = run_entry_in_process(["train.py", "recipe=mtp", *settings, *train], capsys)
+    assert trained.returncode == 0 and "no engine serves" not in trained.stderr  # SGLang's does
     checkpoint = run / "final"
     assert json.loads((checkpoint / "config.json").read_text())["drafter"]["masks_first_position"] is False
     export = ["-m", "export", "recipe=mtp", *settings, f"checkpoint={checkpoint}", f"output_dir={run}"]
@@ -384,6 +385,23 @@ def test_the_demo_targets_layer_trains_for_sglang_and_its_folder_evaluates_like_
             for row in domain.values()
         ]
     assert rows["sglang"] == rows["checkpoint"] and all(row[3] for row in rows["sglang"])
+
+
+def test_a_layer_no_engine_would_serve_is_said_as_training_starts(small_data, token_cache, tmp_path, capsys):
+    """Trained for SGLang (position 0 read) on a DeepSeek target whose hidden size SGLang's kernel refuses, a layer
+    neither export takes trained to its end in silence, each export then naming the other engine: the start says so,
+    with both engines' reasons (it still trains, for draftsmith's eval)."""
+    narrow = write_random_target("deepseek_v3", tmp_path / "narrow", **SHAPE)
+    write_random_layer(narrow)
+    settings = [f"drafter.{key}={str(value).lower()}" for key, value in FOR_SGLANG.items()]
+    train = [f"target.name_or_path={narrow}", f"data.train=[{small_data['train']}]", "data.eval=[]", "eval.tree=0"]
+    train += [f"data.cache_dir={token_cache}", "data.max_length=64", "train.max_steps=1", "train.micro_batch_size=2"]
+    train += ["train.warmup_steps=0", "eval.enabled=false", f"output_dir={tmp_path / 'run'}"]
+    trained = run_entry_in_process(["train.py", "recipe=mtp", *settings, *train], capsys)
+    assert trained.returncode == 0, trained.stderr
+    said = [line for line in trained.stderr.splitlines() if "no engine serves this drafter as it will train" in line]
+    assert len(said) == 1 and "vLLM: this MTP drafter trained with the embedding at position 0 read" in said[0], said
+    assert "SGLang: SGLang's DeepseekV3ForCausalLMNextN norms its inputs with a CUDA kernel" in said[0], said
 
 
 def test_a_glm_4_7_flash_layer_trains_as_sglang_computes_it_and_decodes_losslessly(targets):

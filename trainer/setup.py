@@ -25,6 +25,7 @@ from draftsmith.data_prep.features import expected_features, open_features, requ
 from draftsmith.data_prep.local_files import source_files
 from draftsmith.data_prep.overlap import PromptCount, eval_in_train, prompts_in_train, warn_of_prompts_in_train
 from draftsmith.errors import OutOfMemory, UserError, one_line, out_of_memory
+from draftsmith.eval.methods import EVAL_ONLY, serving
 from draftsmith.eval.prompts import prompt_conversations, prompt_sources, render_prompts
 from draftsmith.eval.report import check_eval_stage
 from draftsmith.eval.target_checks import check_finite_logits, check_target
@@ -167,6 +168,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         drafter.load_state_dict(start.state_dict())
         drafter.learned = dict(start.learned)
         log.info("warm start from %s", cfg.train.init_from)
+    warn_if_no_engine_serves(cfg, drafter, target)
     run = prepare_run(cfg, accelerator, target, drafter, train_data, collate, target_features, heldout)
     run.prompt_count = prompt_count
     if resume_from is not None:
@@ -272,6 +274,21 @@ def build_drafter(cfg: DictConfig, target, device: torch.device):
     # again with the loaded target's shape (a Hub or GGUF target's is known only now)
     require_draft_vocab_use(cfg, drafter.config, drafter.target)
     return drafter
+
+
+def warn_if_no_engine_serves(cfg: DictConfig, drafter, target) -> None:
+    """Said as training starts, not after it: every engine the drafter's kind names would refuse to export it for this
+    target (the eval's rows then say draftsmith's eval only), each engine's reason. It still trains, for draftsmith's
+    eval; a kind that names no engine says nothing."""
+    gamma, temperature = int(cfg.eval.num_speculative_tokens), float(cfg.eval.temperature)
+    said = serving(drafter, target, cfg.export.vllm_format, temperature, gamma)
+    # no method served, and one an engine would have served but refuses (trees no engine serves say no reason)
+    if all(row["served_by"] == EVAL_ONLY for row in said.values()) and any("not_served_by" in r for r in said.values()):
+        reasons = {engine: why for row in said.values() for engine, why in row.get("not_served_by", {}).items()}
+        log.warning(
+            "no engine serves this drafter as it will train (its export refuses it): %s",
+            "; ".join(f"{engine}: {why}" for engine, why in reasons.items()),
+        )
 
 
 def training_inputs(cfg: DictConfig, tokenizer, target, drafter, train_data):
