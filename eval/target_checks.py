@@ -79,12 +79,12 @@ def check_finite_logits(model) -> None:
         return
     device = model.get_output_embeddings().weight.device
     ids = torch.arange(1, 5, device=device)[None] % (model.config.get_text_config().vocab_size - 1) + 1
-    with scan_chunks(model, ids.shape[1]):  # as the loop's forwards scan
-        try:
+    try:
+        with scan_chunks(model, ids.shape[1]):  # as the loop's forwards scan
             finite = run_target(model, ids).logits.isfinite().all()
-        except Exception as err:  # noqa: BLE001 - bad input only where transformers' own forward fails too
-            require_own_forward(model, ids, err)
-            raise
+    except Exception as err:  # noqa: BLE001 - bad input only where transformers' own forward fails too
+        require_own_forward(model, ids, err)
+        raise
     if not finite:
         raise UserError(
             f"the target ({type(model).__name__}) computes non-finite logits (NaN or inf) on a 4-token probe: its "
@@ -95,13 +95,16 @@ def check_finite_logits(model) -> None:
 
 def require_own_forward(model, ids: torch.Tensor, err: Exception) -> None:
     """A probe's forward that failed with `err` is the target's config where transformers' own forward of the model,
-    on the same tokens, fails as well (attention heads that its key-value heads do not divide: a hand-made config):
-    one line. Else the failure is draftsmith's (its forward's settings), raised by the caller as it was."""
-    if out_of_memory(err):
+    on the same tokens and outside draftsmith's settings, fails as well (attention heads that its key-value heads do
+    not divide: a hand-made config): one line. Else, and for a model of draftsmith's classes (a wrapper's language
+    model) or memory exhausted, the failure is raised by the caller as it was."""
+    if out_of_memory(err) or not type(model).__module__.startswith("transformers."):
         return
     try:
         model(input_ids=ids)
-    except Exception as own:  # noqa: BLE001 - whatever the model raises is the model's
+    except Exception as own:  # noqa: BLE001 - whatever transformers' own model raises is the model's
+        if out_of_memory(own):
+            return
         raise UserError(
             f"the target ({type(model).__name__}) fails transformers' own forward on a 4-token probe "
             f"({one_line(own, with_type=True)}): its config.json describes a model transformers cannot run"

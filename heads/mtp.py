@@ -101,8 +101,8 @@ def check_ships_a_layer(config: dict, layout: Layout, name_or_path: str) -> None
     if not layout.shipped_layers(tensor_names(checkpoint_folder(name_or_path, READER)), layers):
         raise UserError(
             f"drafter.type=mtp: the target ships no MTP layer (its config.json has no {layout.count_key} and its "
-            f"weights no tensor named {layout.layers_named(layers)}; transformers drops them when it saves a model): "
-            f"point target.name_or_path at the released checkpoint, or train another kind ({RANDOM_LAYER})"
+            f"weights no tensor named {layout.layers_named(layers)}): point target.name_or_path at the released "
+            f"checkpoint (transformers drops the layer when it saves a model; {RANDOM_LAYER}), or train another kind"
         )
 
 

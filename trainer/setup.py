@@ -168,7 +168,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         drafter.load_state_dict(start.state_dict())
         drafter.learned = dict(start.learned)
         log.info("warm start from %s", cfg.train.init_from)
-    warn_if_no_engine_serves(cfg, drafter, target)
+    warn_if_no_engine_serves(cfg, drafter, target, accelerator.is_main_process)
     run = prepare_run(cfg, accelerator, target, drafter, train_data, collate, target_features, heldout)
     run.prompt_count = prompt_count
     if resume_from is not None:
@@ -250,24 +250,25 @@ def load_data(cfg: DictConfig, accelerator: Accelerator, tokenizer, digests: dic
 def build_drafter(cfg: DictConfig, target, device: torch.device):
     """The recipe's drafter for `target`, freshly initialised on `device`; one its settings make larger than the
     memory is OutOfMemory naming them (the generic line would advise a smaller step, and a resume of nothing)."""
+    kind = drafter_class(cfg.drafter.type)
     try:
         with built_whole():  # whole under ZeRO-3 too: accelerator.prepare() partitions the drafter itself
-            drafter = drafter_class(cfg.drafter.type).from_target(
-                OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
-            )
-        drafter = drafter.to(device)
+            drafter = kind.from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path)
     except Exception as err:  # noqa: BLE001 - memory exhausted is worded here, anything else raised as it was
         if not out_of_memory(err):
             raise
-        counts = ", ".join(
-            f"drafter.{key}={value}"
-            for key, value in cfg.drafter.items()
-            if isinstance(value, int) and not isinstance(value, bool) and value > 1
-        )
+        # the counts of its architecture (not how it trains or decodes: SETTINGS); none named (a size its release's
+        # layer fixes): the generic line
+        skipped = {*kind.Config.SETTINGS, *kind.Config.RESOLVED, *kind.Config.STARTS}
+        sizes = {key: value for key, value in cfg.drafter.items() if key not in skipped and type(value) is int}
+        counts = ", ".join(f"drafter.{key}={value}" for key, value in sizes.items() if value > 1)
+        if not counts:
+            raise
         raise OutOfMemory(
             f"building the drafter ({one_line(err) or type(err).__name__}): its settings ({counts}) make a drafter "
             "larger than this machine's memory; choose smaller ones"
         ) from err
+    drafter = drafter.to(device)  # out of memory here: the target took the device (the generic line's advice)
     if (untrainable := drafter.untrainable_on(device)) is not None:  # before the run writes anything
         raise UserError(untrainable)
     drafter.loss_chunk_bytes = cfg.train.vocab_chunk_mb << 20
@@ -276,12 +277,14 @@ def build_drafter(cfg: DictConfig, target, device: torch.device):
     return drafter
 
 
-def warn_if_no_engine_serves(cfg: DictConfig, drafter, target) -> None:
-    """Said as training starts, not after it: every engine the drafter's kind names would refuse to export it for this
-    target (the eval's rows then say draftsmith's eval only), each engine's reason. It still trains, for draftsmith's
-    eval; a kind that names no engine says nothing."""
-    gamma, temperature = int(cfg.eval.num_speculative_tokens), float(cfg.eval.temperature)
-    said = serving(drafter, target, cfg.export.vllm_format, temperature, gamma)
+def warn_if_no_engine_serves(cfg: DictConfig, drafter, target, main_process: bool) -> None:
+    """Said as training starts (by the main process), not after it: every engine the drafter's kind names would refuse
+    to export it for this target (the eval's rows then say draftsmith's eval only), each engine's reason. It still
+    trains, for draftsmith's eval; a kind that names no engine says nothing. Its exports' refusals alone, at T=0 (an
+    engine drafting greedily still serves the folder at T=0)."""
+    if not main_process:
+        return
+    said = serving(drafter, target, cfg.export.vllm_format, 0.0, int(cfg.eval.num_speculative_tokens))
     # no method served, and one an engine would have served but refuses (trees no engine serves say no reason)
     if all(row["served_by"] == EVAL_ONLY for row in said.values()) and any("not_served_by" in r for r in said.values()):
         reasons = {engine: why for row in said.values() for engine, why in row.get("not_served_by", {}).items()}
