@@ -195,9 +195,7 @@ class MtpExporter(Exporter):
                 f"no vLLM release checked serves this target's MTP layer: {drafter.layout.vllm_refused}; "
                 "export it for sglang"
             )
-        elif (
-            drafter.layout.masks_first_position != LAYOUTS[drafter.config.decoder["architecture"]].masks_first_position
-        ):
+        elif mtp_sglang.trained_for_sglang_alone(drafter):
             raise UserError(
                 f"this MTP drafter trained with the embedding at position 0 read (drafter.masks_first_position=false, "
                 f"as SGLang computes it), and every vLLM release checked zeroes it in {drafter.layout.vllm_model}: "

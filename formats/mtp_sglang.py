@@ -142,14 +142,19 @@ def computed_as(architecture: str) -> dict:
     return COMPUTED_AS | COMPUTES.get(sglang_model(architecture), {})
 
 
+def trained_for_sglang_alone(drafter) -> bool:
+    """Whether the drafter's layer trained with the embedding at position 0 read (drafter.masks_first_position=false)
+    where vLLM's model of its release zeroes it: SGLang's function, which no vLLM release computes."""
+    return drafter.layout.masks_first_position != LAYOUTS[drafter.config.decoder["architecture"]].masks_first_position
+
+
 def vllm_instead(drafter) -> str:
-    """What a line refusing SGLang advises: the vllm export; for a drafter trained for SGLang alone (the embedding at
-    position 0 read, drafter.masks_first_position=false, which vLLM's models zero) training it for vLLM first; for a
-    target no vLLM release serves the MTP layer of, that neither engine would."""
-    released = LAYOUTS[drafter.config.decoder["architecture"]]
-    if released.vllm_refused:
+    """What a line refusing SGLang advises: the vllm export; for a drafter trained for SGLang alone
+    (`trained_for_sglang_alone`) training it for vLLM first; for a target no vLLM release serves the MTP layer of,
+    that neither engine would."""
+    if LAYOUTS[drafter.config.decoder["architecture"]].vllm_refused:
         return "no engine serves it here (no vLLM release checked serves this target's MTP layer either)"
-    if drafter.layout.masks_first_position == released.masks_first_position:
+    if not trained_for_sglang_alone(drafter):
         return "export it for vllm"
     return (
         "no engine serves this drafter as it trained (drafter.masks_first_position=false, for SGLang alone): train it "

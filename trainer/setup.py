@@ -32,7 +32,7 @@ from draftsmith.eval.target_checks import check_finite_logits, check_target
 from draftsmith.families import largest_eval_batch
 from draftsmith.formats.folder import require_recipes_drafter, require_recipes_kind, start_kind, warm_start
 from draftsmith.heads import drafter_class
-from draftsmith.heads.base import DRAFTER_DIR, check_same_target, saved_drafter
+from draftsmith.heads.base import DRAFTER_DIR, architecture, check_same_target, saved_drafter
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.outputs import RECIPE_NAME
 from draftsmith.recipe import check_chain, require_draft_vocab_use, save_recipe
@@ -146,9 +146,9 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         check_same_target(saved_target, TargetShape.of(target, cfg.target.name_or_path), resumed_what)
     if cfg.target.shard == "none":  # a target whose own forward fails or whose logits are not finite: bad input
         check_finite_logits(target)
-    if cfg.eval.enabled and cfg.target.shard == "none":  # what the eval stage's loop cannot decode, refused now
-        longest = int(cfg.data.max_length) + int(cfg.eval.max_new_tokens)  # a prompt of data.max_length and its answer
-        check_target(target, tree=int(cfg.eval.tree) > 0, batch=largest_eval_batch(cfg.eval) > 1, length=longest)
+        if cfg.eval.enabled:  # what the eval stage's loop cannot decode, refused now
+            longest = int(cfg.data.max_length) + int(cfg.eval.max_new_tokens)  # a prompt of data.max_length, its answer
+            check_target(target, tree=int(cfg.eval.tree) > 0, batch=largest_eval_batch(cfg.eval) > 1, length=longest)
     # each data file's sha256 as this start's load reads it, for its later reads (the prompts' count, the record)
     digests: dict[str, str] = {}
     train_data, vocab_data, heldout, prompt_count = load_data(cfg, accelerator, tokenizer, digests)
@@ -259,9 +259,8 @@ def build_drafter(cfg: DictConfig, target, device: torch.device):
             raise
         # the counts of its architecture (not how it trains or decodes: SETTINGS); none named (a size its release's
         # layer fixes): the generic line
-        skipped = {*kind.Config.SETTINGS, *kind.Config.RESOLVED, *kind.Config.STARTS}
-        sizes = {key: value for key, value in cfg.drafter.items() if key not in skipped and type(value) is int}
-        counts = ", ".join(f"drafter.{key}={value}" for key, value in sizes.items() if value > 1)
+        sizes = architecture(OmegaConf.to_object(cfg.drafter))  # the recipe's section, a kind's Config
+        counts = ", ".join(f"drafter.{key}={value}" for key, value in sizes.items() if type(value) is int and value > 1)
         if not counts:
             raise
         raise OutOfMemory(
