@@ -95,12 +95,21 @@ def vllm_python(setting: Optional[str], key: str) -> str:
     )
 
 
+# What each environment answered, by (python, query), for the rest of the command: what is installed does not change
+# under a running command, and every query starts a Python (0.3 s here, seconds on a loaded machine), which an
+# export or capture asked up to five times. The monitor's watch forgets them at each check (an engine upgraded between).
+ANSWERED: dict[tuple[str, str], subprocess.CompletedProcess] = {}
+
+
 def run_python(python: str, key: str, code: str) -> subprocess.CompletedProcess:
-    """`python -c code`, finished; a program that cannot be run is one line naming `key`."""
-    try:
-        return subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise UserError(f"{key}={python!r}: could not run it as a Python ({one_line(err)})") from None
+    """`python -c code`, finished, once a command (`ANSWERED`); a program that cannot be run is one line naming
+    `key`."""
+    if (python, code) not in ANSWERED:
+        try:
+            ANSWERED[python, code] = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise UserError(f"{key}={python!r}: could not run it as a Python ({one_line(err)})") from None
+    return ANSWERED[python, code]
 
 
 def installed_vllm(python: str, key: str) -> str:

@@ -34,6 +34,7 @@ from draftsmith.errors import (
 def main(argv: Sequence[str]) -> None:
     # imported here, under entry_point's run_cli: Ctrl-C or SIGTERM during their imports ends as later
     from draftsmith.cli import DATA_LINES_SAID, SUBCOMMANDS
+    from draftsmith.engines import ANSWERED
 
     if list(argv[:1]) not in SUBCOMMANDS:
         # `draftsmith monitor ...` (the console script, or python -m draftsmith) has the command in argv[1]
@@ -57,6 +58,7 @@ def main(argv: Sequence[str]) -> None:
 
     def checked() -> Outcome:
         DATA_LINES_SAID.forget()  # each check's log says what it read
+        ANSWERED.clear()  # and asks the engine's environment again: it may have been upgraded since the last
         return check(cfg, held=reported)
 
     if argv[0] == "check":

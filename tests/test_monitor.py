@@ -38,7 +38,7 @@ from draftsmith.monitor.metrics import UNKNOWN, collect, engine_version, window
 from draftsmith.monitor.traffic import read_requests, sample
 from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import load_recipe
-from tests.helpers import REPO, assert_one_line_error, run_entry_in_process, stops_handled
+from tests.helpers import REPO, assert_one_line_error, run_entry_in_process, stand_in_vllm, stops_handled
 
 LABELS = ["model_name", "engine"]
 SERVED = "0.32.0"  # the vLLM version FakeEngine reports unless told otherwise
@@ -1269,6 +1269,33 @@ def test_watch_stops_on_sigterm_during_a_check_as_check_does_and_between_checks_
     result = run_entry_in_process(args, capsys)
     assert_one_line_error(result, 75, "stopped on SIGTERM between checks", prefix="preempted: ")
     assert len(checks) == 2 and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+def test_an_engines_environment_is_asked_once_a_check_and_again_at_the_next(tmp_path, monkeypatch, capsys):
+    """What the engine's Python has installed is asked once a command (each query a Python start that an export
+    asked up to five times), and again at each of watch's checks: vLLM upgraded between two checks is the one the
+    second check reads."""
+    from draftsmith.engines import installed_vllm, vllm_distribution
+    from draftsmith.monitor import check as monitor_check
+
+    asked, versions = tmp_path / "asked", []
+    stand_in = stand_in_vllm(tmp_path, "0.32.0")
+    python = tmp_path / "python"  # the stand-in, each start counted
+    python.write_text(f'#!/bin/sh\necho started >> {asked}\nexec {stand_in} "$@"\n')
+    python.chmod(0o755)
+
+    def a_check_that_asks_twice(cfg, held):
+        versions.append([installed_vllm(str(python), "export.vllm_python") for _ in range(2)])
+        assert vllm_distribution(str(python), "export.vllm_python") == "vllm"
+        stand_in.write_text(stand_in.read_text().replace("0.32.0", "0.33.0"))  # upgraded before the next check
+        return Outcome.HEALTHY
+
+    monkeypatch.setattr(monitor_check, "check", a_check_that_asks_twice)
+    waits_pass_at_once(monkeypatch, versions, sigterm_after=2)
+    result = run_entry_in_process(["-m", "monitor", "watch", "recipe=medusa", f"output_dir={tmp_path / 'run'}"], capsys)
+    assert result.returncode == 75, result.stderr[-2000:]
+    assert versions == [["0.32.0", "0.32.0"], ["0.33.0", "0.33.0"]]
+    assert len(asked.read_text().splitlines()) == 4  # a version and a distribution query a check
 
 
 def test_the_redeploy_command_runs_after_each_promotion_in_check_and_watch_and_a_failure_is_a_line(
