@@ -16,13 +16,14 @@ import zlib
 from typing import Any, Iterator, Optional
 
 import datasets
+import psutil
 from datasets.table import CastError
 
 from draftsmith.data_prep.cache_faults import hugging_face_caches, raise_cache_fault
 from draftsmith.data_prep.local_files import builder, file_digest, gzipped, source_files
 from draftsmith.data_prep.records import normalize_record, normalize_records, warn_of_turn_order_oddities
 from draftsmith.data_prep.sources import is_named, named_file
-from draftsmith.errors import HubUnavailable, UserError, one_line
+from draftsmith.errors import HubUnavailable, OutOfMemory, UserError, one_line
 from draftsmith.model_files import endpoint_out_of_reach
 
 logger = logging.getLogger("draftsmith.data")
@@ -159,9 +160,12 @@ def _load_file(
             # datasets' JSON builder takes a file's columns from its first 10 MiB (its chunksize): a key that first
             # appears later (a regenerated answer's `cut`, a `domain`) failed its cast of the next 10 MiB. Read as
             # one chunk, the columns are every record's (its memory: the whole file parsed at once)
+            _require_room_to_read_whole(path, size, err.__cause__)
             with _quiet_builders():
                 whole = {"name": f"sha256-{content}-whole", "chunksize": size + 1}
                 dataset = datasets.load_dataset(reader, data_files=path, split="train", **whole)
+    except OutOfMemory:
+        raise
     except Exception as err:  # the builders raise assorted types (ArrowInvalid, StopIteration on empty files, ...)
         raise_cache_fault(err, *hugging_face_caches())
         if reader == "json":
@@ -171,6 +175,26 @@ def _load_file(
         raise UserError(f"{path} has no records")
     dataset._fingerprint = hashlib.sha256(f"{reader}|{content}|{datasets.__version__}".encode()).hexdigest()[:16]
     return dataset
+
+
+# the peak memory of datasets' JSON builder reading a file as one chunk, in bytes per byte of the file: 6.6 measured
+# (98 MB of conversations, 0.65 GB; read 10 MiB at a time, 1.9)
+WHOLE_READ_MEMORY = 7
+
+
+def _require_room_to_read_whole(path: str, size: int, cast: CastError) -> None:
+    """Refuse a whole read that would need more memory than is available: the kernel would kill it (exit 137, no
+    line), as a 3 GB file's 20 GB parse would on a 24 GB machine. (A container's memory limit is not seen here.)"""
+    need, available = size * WHOLE_READ_MEMORY, psutil.virtual_memory().available
+    if need > available:
+        late = sorted(set(cast.table_column_names) - set(cast.requested_column_names))  # none: a nested key
+        named = f" ({', '.join(late)})" if late else ""
+        raise OutOfMemory(
+            f"{path}: records past its first 10 MiB have keys the first ones lack{named}, and read whole, so that "
+            "every record's keys are columns, "
+            f"it would take about {need / 2**30:.1f} GiB of memory, {available / 2**30:.1f} GiB available; give those "
+            "keys in its first record (null where a record has none)"
+        )
 
 
 def _refuse_lines_arrow_crashes_on(path: str) -> Optional[int]:

@@ -17,11 +17,12 @@ import pytest
 import torch
 from tokenizers import processors
 
+from draftsmith.data_prep import conversations
 from draftsmith.data_prep.collate import Collator
 from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.dataset import cache_key, tokenize_conversations
 from draftsmith.data_prep.template import render_prompt, render_rows, render_with_masks
-from draftsmith.errors import UserError
+from draftsmith.errors import OutOfMemory, UserError
 from draftsmith.target import load_tokenizer
 from tests.helpers import assert_one_line_error, run_entry_in_process, train_args
 
@@ -813,7 +814,7 @@ def test_json_nested_too_deep_is_one_line_not_a_crash(tmp_path, depth, keyed):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["late.jsonl", "late.jsonl.gz"])
-def test_a_key_that_first_appears_past_ten_megabytes_is_read(tmp_path, name):
+def test_a_key_that_first_appears_past_ten_megabytes_is_read(tmp_path, name, monkeypatch):
     """datasets' JSON builder takes a file's columns from its first 10 MiB: a key first appearing later (a regenerated
     answer's `cut`, a `domain`, another field) was `cannot read FILE: DatasetGenerationError: An error occurred
     while generating the dataset`, exit 2, on valid data. It is read, every record as written."""
@@ -824,6 +825,12 @@ def test_a_key_that_first_appears_past_ten_megabytes_is_read(tmp_path, name):
     late["messages"] = [*long["messages"][:-1], {**long["messages"][-1], "cut": True}]
     data = good * count + (json.dumps(late) + "\n").encode()
     (tmp_path / name).write_bytes(gzip.compress(data, compresslevel=1) if name.endswith(".gz") else data)
+    # read whole, it is parsed at once: where that needs more memory than is available, one line says what to change
+    with monkeypatch.context() as patched:
+        patched.setattr(conversations, "WHOLE_READ_MEMORY", 1 << 40)
+        said = rf"{name}: records past its first 10 MiB have keys the first ones lack \(domain, meta\), and read whole"
+        with pytest.raises(OutOfMemory, match=said + r".* about \d+\.\d GiB of memory, .* GiB available; give those"):
+            load_conversations([str(tmp_path / name)])
     loaded = load_conversations([str(tmp_path / name)])
     assert len(loaded) == count + 1 and loaded[-1]["domain"] == "code" and loaded[-1]["messages"][-1]["cut"] is True
     assert loaded[0]["messages"] == loaded[1]["messages"] and loaded[0]["messages"][-1]["cut"] is None
