@@ -17,7 +17,8 @@ inside the wrapper (write_random_wrapper); one whose language model transformers
 (`glm5_next`) is written whole by write_random_target, its language model seeded and trained. Per kind, one row:
 
 - `train`: `python train.py recipe=<kind> target.name_or_path=<target> ...` (a few dozen steps on the
-  demo's regenerated data) exited 0, its eval stage included;
+  demo's regenerated data) exited 0, its eval stage included (false, with the `error` line alone, where the
+  target is refused before any training by the checks train.py refuses it with: linear-attention layers alone);
 - `resume`: the same command with train.resume=<its checkpoint RESUME_STEPS before the end> trained those steps
   again (a resume keeps the run's schedule, so the first run trains past that checkpoint), and
   its eval stage decoded the eval prompts (greedy, γ of the recipe) with the weights the export then
@@ -64,6 +65,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.provenance import provenance  # noqa: E402
 from benchmarks.vllm_probe import engine_python  # noqa: E402
+from draftsmith.errors import UserError, one_line  # noqa: E402
 from draftsmith.random_target import RANDOM_TARGET_TOKENIZER_FILES, demo_tokenizer_dir, write_random_target  # noqa: E402
 from draftsmith.tiny_wrapper import TINY_VISION  # noqa: E402
 
@@ -337,7 +339,6 @@ def check_options(parser: argparse.ArgumentParser, options: argparse.Namespace) 
     """Every kind, family and override of the run, refused in one line before any target is written: a misspelt
     family would stop the run after the earlier families' minutes, and an override no recipe takes would append a
     row of failed runs for each family and kind to --out."""
-    from draftsmith.errors import UserError
     from draftsmith.random_target import tiny_target_config
     from draftsmith.recipe import validated
 
@@ -428,20 +429,27 @@ def main() -> None:
                 mtp = kind == "mtp"
                 # for `mtp` a wrapper as its releases ship it, where its MTP layer is the wrapper's
                 released = options.released or (mtp and released_apart(family))
-                if mtp not in targets:
-                    if released not in trained:
-                        folder = work / (f"{family}-released" if released else family)
-                        trained[released] = trained_target(family, folder, options.target_steps, released)
-                    targets[mtp] = trained[released]
-                    if mtp:
-                        # the layer on a copy of the trained target: the target a second training would write,
-                        # without its minutes (the shipped layer is random and added after the training either way)
-                        targets[mtp] = with_mtp_layer(shutil.copytree(trained[released], work / f"{family}-with-mtp"))
-                    varieties[mtp] = target_variety(targets[mtp])
-                target = targets[mtp]
                 start = time.perf_counter()
-                row = measure(family, kind, target, work, options.vllm_python, env, options.set, options.export_set)
-                row |= {"target_train_steps": options.target_steps, "target_variety": varieties[mtp]}
+                try:
+                    if mtp not in targets:
+                        if released not in trained:
+                            folder = work / (f"{family}-released" if released else family)
+                            trained[released] = trained_target(family, folder, options.target_steps, released)
+                        target = trained[released]
+                        if mtp:
+                            # the layer on a copy of the trained target: the target a second training would write,
+                            # without its minutes (the shipped layer is random and added after the training either
+                            # way)
+                            target = with_mtp_layer(shutil.copytree(target, work / f"{family}-with-mtp"))
+                        varieties[mtp] = target_variety(target)
+                        targets[mtp] = target  # once its variety is known: a target refused is refused each kind
+                except UserError as err:  # the target refused as the entry points refuse it (its eval loop's checks)
+                    row = {"family": family, "kind": kind, "train": False, "error": f"error: {one_line(err)}"}
+                else:
+                    row = measure(family, kind, targets[mtp], work, options.vllm_python, env, options.set,
+                                  options.export_set)  # fmt: skip
+                    row |= {"target_variety": varieties[mtp]}
+                row |= {"target_train_steps": options.target_steps}
                 row |= {"target_released": released}
                 row |= provenance(options.threads, start)  # wall_s: this row's
                 print(json.dumps(row), flush=True)

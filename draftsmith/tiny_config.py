@@ -94,7 +94,7 @@ def build_config(
     fields.update({aliases.get(key, key): value for key, value in scaled.items() if key not in given})
     cls = type(default)
     try:
-        config = cls(**fields)
+        config = first_build(cls, fields, defaults, fields[canonical["num_hidden_layers"]], shape)
         if "layer_types" in defaults and config.layer_types is None and "layer_types" not in shape:
             # a class that leaves its layers' kinds to the release (LFM2-MoE's): the kinds its modeling module names
             fields["layer_types"] = module_layer_kinds(cls, fields[canonical["num_hidden_layers"]])
@@ -120,6 +120,25 @@ def build_config(
     return config
 
 
+def first_build(cls, fields: dict[str, Any], defaults: dict[str, Any], layers: int, shape: dict[str, Any]):
+    """`cls` built with `fields`; where it refuses its own default's per-layer kinds at the tiny depth (Zamba2's, a
+    release's 54 whatever the depth), with the first `layers` of them (every_kind adds the kinds further down)."""
+    try:
+        return cls(**fields)
+    except StrictDataclassError:
+        kinds = defaults.get("layer_types")
+        if not isinstance(kinds, list) or len(kinds) == layers or "layer_types" in shape:
+            raise
+        fields[kinds_field(cls)] = kinds[:layers]
+        return cls(**fields)
+
+
+def kinds_field(cls) -> str:
+    """The name `cls` takes its layers' kinds under: its own field, not `layer_types` where that is an alias (Zamba2's
+    `layers_block_type`: given by the alias, its hybrid layers' indices were derived from the default's kinds)."""
+    return cls.attribute_map.get("layer_types", "layer_types")
+
+
 def every_kind(fields: dict[str, Any], kinds: list[str], defaults: dict[str, Any], config_class) -> bool:
     """Set `fields`' layer_types so that the tiny depth has every attention kind of the family; whether it changed
     them. A kind its default has further down (Inkling's full attention, one layer in six) goes last, as in a period;
@@ -140,9 +159,10 @@ def every_kind(fields: dict[str, Any], kinds: list[str], defaults: dict[str, Any
         chosen = [own[0] if i % 2 == 0 else kind for i, kind in enumerate(chosen)]
     if further and len(chosen) > len(further):
         chosen[-len(further) :] = further
-    fields["layer_types"] = chosen
     if "attn_layer_indices" in defaults:  # kinds a class derives from its attention layers' indices (Bamba's)
-        fields["attn_layer_indices"] = [i for i, kind in enumerate(fields.pop("layer_types")) if kind == FULL]
+        fields["attn_layer_indices"] = [i for i, kind in enumerate(chosen) if kind == FULL]
+    else:
+        fields[kinds_field(config_class)] = chosen
     return chosen != list(kinds)
 
 
@@ -287,6 +307,12 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         share = round(groups * (defaults.get("topk_group") or 1) / defaults["n_group"])
         needed = -(-fields.get("num_experts_per_tok", 1) // (experts // groups))
         out.update(n_group=groups, topk_group=min(groups, max(1, share, needed)))
+    for offset in [key for key in defaults if key.endswith("_layer_offset")]:
+        period = offset.removesuffix("offset") + "period"
+        if isinstance(defaults[offset], int) and isinstance(defaults.get(period), int) and defaults[offset] >= layers:
+            # a kind on every `period`-th layer from `offset` (Jamba's attention: one in 8, from the 5th), which the
+            # tiny depth would not reach: on every other layer (Zamba's shared block, tied across its layers, needs two)
+            out.update({period: 2, offset: 1})
     if defaults.get("first_k_dense_replace"):  # dense layers first: one, so that 2 layers still meet both kinds
         out["first_k_dense_replace"] = 1
     if isinstance(defaults.get("mlp_layer_types"), list) and defaults["mlp_layer_types"]:

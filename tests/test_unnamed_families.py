@@ -1,8 +1,9 @@
-"""Ten 2026 families no line of draftsmith names, taken as a new user takes one: `python -m draftsmith.random_target
-TYPE DIR`, then the folder as a target (docs/targets-matrix.md, "Families the code never names"). Mistral-Small-4's
-`mistral4` is a causal LM that transformers 5.24 files under image-text-to-text only (not AutoModelForCausalLM's
-table): draftsmith registers it as the causal LM it is (draftsmith.causal_lm.register_misfiled_causal_lms). Four are new
-in transformers 5.25 (Ergo, MiniCPM-5-MoE, Param-2-MoE, Kolibri-1.1), skipped under an earlier one."""
+"""Twelve families no line of draftsmith names (ten of 2026; Jamba and Zamba2), taken as a new user takes one:
+`python -m draftsmith.random_target TYPE DIR`, then the folder as a target (docs/targets-matrix.md, "Families the code
+never names"). Mistral-Small-4's `mistral4` is a causal LM that transformers 5.24 files under image-text-to-text
+only (not AutoModelForCausalLM's table): draftsmith registers it as the causal LM it is
+(draftsmith.causal_lm.register_misfiled_causal_lms). Four are new in transformers 5.25 (Ergo, MiniCPM-5-MoE,
+Param-2-MoE, Kolibri-1.1), skipped under an earlier one."""
 
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ FAMILIES = {
     "minicpm5_moe": {FULL},
     "param2moe": {FULL},
     "kolibri1_1": {SLIDING, INDEXED},
+    # older hybrids: attention named by a period (Jamba's, one layer in 8 from the 5th, built with none at the tiny
+    # depth: refused as linear attention alone) and a class checking its release's 54 kinds against the depth (Zamba2's:
+    # no tiny target could be built)
+    "jamba": {LINEAR, FULL},
+    "zamba2": {LINEAR, "hybrid"},
 }
 
 
