@@ -75,9 +75,13 @@ def build_config(
     default = getattr(default, "text_config", None) or default
     aliases = type(default).attribute_map
     canonical = {key: aliases.get(key, key) for key in (*TINY, *EXPERTS, *shape)}
-    # Expert sizes only for a family whose default has experts: a dense default with the fields (Gemma-4's
-    # optional MoE block) stays dense, as engines read an expert count as "build the experts"
-    has_experts = any(getattr(default, key, None) for key in EXPERT_COUNTS)
+    # Expert sizes only for a family whose default has experts, or sizes its experts and leaves their count to the
+    # release (Dots1's: its model cannot be built without one): a dense default with the fields (Gemma-4's optional
+    # MoE block) stays dense, as engines read an expert count as "build the experts"
+    counted = any(hasattr(default, key) for key in EXPERT_COUNTS)
+    has_experts = any(getattr(default, key, None) for key in EXPERT_COUNTS) or (
+        counted and bool(getattr(default, "moe_intermediate_size", None))
+    )
     experts = {key: value for key, value in EXPERTS.items() if has_experts and hasattr(default, key)}
     fields: dict[str, Any] = {}
     # Later sources win over a field's aliases too (an expert size that is another name of a TINY one).
@@ -298,7 +302,8 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         out.update(ple_layer_ids=[1], ngram_vocab_size_base=fields["vocab_size"], split_ngram_parts=1)
     if defaults.get("hc_lowrank"):  # hyper-connections' low-rank stream mixer: a head's width (the release's ~hidden/6)
         out["hc_lowrank"] = head
-    if defaults.get("n_group") and any(fields.get(key) for key in EXPERT_COUNTS):  # Dots1's default: no experts
+    has_experts = any(fields.get(key) for key in EXPERT_COUNTS)
+    if defaults.get("n_group") and has_experts:
         # Grouped routing: the experts split in groups (each scored by its top two experts), the tokens
         # routed within the best `topk_group` of them; as many groups as divide the experts in pairs, the
         # family's share of them kept (at least enough groups for the experts a token takes).
@@ -313,6 +318,8 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
             # a kind on every `period`-th layer from `offset` (Jamba's attention: one in 8, from the 5th), which the
             # tiny depth would not reach: on every other layer (Zamba's shared block, tied across its layers, needs two)
             out.update({period: 2, offset: 1})
+    if "n_shared_experts" in defaults and defaults["n_shared_experts"] is None and has_experts:
+        out["n_shared_experts"] = 1  # a count left to the release that the model multiplies by (Dots1's): one
     if defaults.get("first_k_dense_replace"):  # dense layers first: one, so that 2 layers still meet both kinds
         out["first_k_dense_replace"] = 1
     if isinstance(defaults.get("mlp_layer_types"), list) and defaults["mlp_layer_types"]:
