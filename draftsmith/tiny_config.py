@@ -289,6 +289,8 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         inner = (defaults.get("mamba_expand") or 2) * hidden  # as many as fill the inner width the class checks
         out.update(mamba_n_heads=inner // head, mamba_d_head=head, mamba_d_state=head, mamba_n_groups=kv_heads)
         out["mamba_d_ssm"] = inner  # the inner width itself, where the class has it (Falcon-H1's)
+    if "num_heads" in defaults and "expand" in defaults and "state_size" in defaults:  # Mamba-2's own heads: as wide as
+        out["num_heads"] = defaults["expand"] * hidden // head  # attention's, as many as fill the inner width it checks
     if defaults.get("moe_hidden_size"):  # the width experts run at, pooled from the hidden size (Muse Spark's half)
         out["moe_hidden_size"] = hidden * defaults["moe_hidden_size"] // defaults["hidden_size"]
     if "dense_intermediate_size" in defaults:  # the dense layers' MLP of a mixture-of-experts family: the tiny one
