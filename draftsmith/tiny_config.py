@@ -289,8 +289,9 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         inner = (defaults.get("mamba_expand") or 2) * hidden  # as many as fill the inner width the class checks
         out.update(mamba_n_heads=inner // head, mamba_d_head=head, mamba_d_state=head, mamba_n_groups=kv_heads)
         out["mamba_d_ssm"] = inner  # the inner width itself, where the class has it (Falcon-H1's)
-    if "num_heads" in defaults and "expand" in defaults and "state_size" in defaults:  # Mamba-2's own heads: as wide as
-        out["num_heads"] = defaults["expand"] * hidden // head  # attention's, as many as fill the inner width it checks
+    if "num_heads" in defaults and "expand" in defaults and "state_size" in defaults:
+        # Mamba-2's own heads: as wide as attention's, as many as fill the inner width its class checks
+        out["num_heads"] = defaults["expand"] * hidden // head
     if defaults.get("moe_hidden_size"):  # the width experts run at, pooled from the hidden size (Muse Spark's half)
         out["moe_hidden_size"] = hidden * defaults["moe_hidden_size"] // defaults["hidden_size"]
     if "dense_intermediate_size" in defaults:  # the dense layers' MLP of a mixture-of-experts family: the tiny one
@@ -318,7 +319,7 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         period = offset.removesuffix("offset") + "period"
         if isinstance(defaults[offset], int) and isinstance(defaults.get(period), int) and defaults[offset] >= layers:
             # a kind on every `period`-th layer from `offset` (Jamba's attention: one in 8, from the 5th), which the
-            # tiny depth would not reach: on every other layer (Zamba's shared block, tied across its layers, needs two)
+            # tiny depth would not reach: on every other layer
             out.update({period: 2, offset: 1})
     if "n_shared_experts" in defaults and defaults["n_shared_experts"] is None and has_experts:
         out["n_shared_experts"] = 1  # a count left to the release that the model multiplies by (Dots1's): one
