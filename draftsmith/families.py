@@ -39,8 +39,12 @@ BLOCK_INDEXED = "block_indexed_attention"
 # attention after short convolutions over the last few tokens (transformers' `hybrid` and `hybrid_sliding` cache
 # kinds, Inkling's): keys cut like any others, the convolutions' windows a state read in order
 CONVOLVED = ("hybrid", "hybrid_sliding")
+# attention within fixed chunks of positions (Llama-4's local layers), in transformers' sliding-window cache layer: keys
+# cut like any others; a chain's masks are transformers' own, and its explicit ones for trees and batches not honoured
+# (refused by the eval's check at its start)
+CHUNKED = "chunked_attention"
 # the kinds whose keys the eval loop can crop and gather
-ATTENTION_KINDS = (FULL, SLIDING, INDEXED, BLOCK_INDEXED, *CONVOLVED)
+ATTENTION_KINDS = (FULL, SLIDING, CHUNKED, INDEXED, BLOCK_INDEXED, *CONVOLVED)
 LINEAR = "linear_attention"  # a recurrent state (Gated DeltaNet): the eval loop copies it and puts it back
 # short convolutions alone (LFM2's): transformers keeps their windows in linear attention's cache layer, a state read
 # in order and put back after a rejected draft; no keys

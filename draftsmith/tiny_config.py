@@ -58,7 +58,7 @@ def build_config(
 ):
     """A transformers config of `model_type` at the TINY shape (`shape` overrides any field): the
     vocabulary and special token ids given, sliding-window layers (where the family has them)
-    limited to `sliding_window` positions so that short tests cross the window.
+    limited to `sliding_window` positions so that short tests cross the window, and chunked attention's chunks too.
 
     The config is built by its class with every field at once, so that what the class derives in its
     own initialisation (per-layer kinds, MLA's query head size, rotary sizes) follows the tiny shape;
@@ -120,6 +120,9 @@ def build_config(
         config.rope_parameters = {**rope, "mrope_section": sections}
     if sliding_window is not None and getattr(config, "sliding_window", None) is not None:
         config.sliding_window = sliding_window
+    chunked = getattr(config, "attention_chunk_size", None) and "attention_chunk_size" not in shape
+    if sliding_window is not None and chunked:  # chunked attention (Llama-4's): chunks short tests cross too
+        config.attention_chunk_size = sliding_window
     config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     return config
 
