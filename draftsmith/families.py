@@ -39,9 +39,9 @@ BLOCK_INDEXED = "block_indexed_attention"
 # attention after short convolutions over the last few tokens (transformers' `hybrid` and `hybrid_sliding` cache
 # kinds, Inkling's): keys cut like any others, the convolutions' windows a state read in order
 CONVOLVED = ("hybrid", "hybrid_sliding")
-# attention within fixed chunks of positions (Llama-4's local layers), in transformers' sliding-window cache layer: keys
-# cut like any others; a chain's masks are transformers' own, and its explicit ones for trees and batches not honoured
-# (refused by the eval's check at its start)
+# attention within fixed chunks of positions (Llama-4's local layers): a sliding-window cache layer in transformers,
+# kept full-length as every such layer is (caches.new_cache), its keys cut like any others; a chain's masks are
+# transformers' own, and the loop's explicit ones for trees and batches are not honoured (refused by the eval's check)
 CHUNKED = "chunked_attention"
 # the kinds whose keys the eval loop can crop and gather
 ATTENTION_KINDS = (FULL, SLIDING, CHUNKED, INDEXED, BLOCK_INDEXED, *CONVOLVED)
