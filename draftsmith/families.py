@@ -40,8 +40,8 @@ BLOCK_INDEXED = "block_indexed_attention"
 # kinds, Inkling's): keys cut like any others, the convolutions' windows a state read in order
 CONVOLVED = ("hybrid", "hybrid_sliding")
 # attention within fixed chunks of positions (Llama-4's local layers): a sliding-window cache layer in transformers,
-# kept full-length as every such layer is (caches.new_cache), its keys cut like any others; a chain's masks are
-# transformers' own, and the loop's explicit ones for trees and batches are not honoured (refused by the eval's check)
+# kept full-length as every such layer is (caches.new_cache), its keys cut like any others, and out-of-chunk keys
+# hidden by its mask (a tree's and a batch's, eval/trees.py's)
 CHUNKED = "chunked_attention"
 # the kinds whose keys the eval loop can crop and gather
 ATTENTION_KINDS = (FULL, SLIDING, CHUNKED, INDEXED, BLOCK_INDEXED, *CONVOLVED)
@@ -162,6 +162,12 @@ def sliding_window(config: Any) -> Optional[int]:
     return int(_get(config, "sliding_window")) if SLIDING in layer_types(config) else None
 
 
+def attention_chunk(config: Any) -> Optional[int]:
+    """The positions of a chunked-attention layer's chunks (`attention_chunk_size`), None without one."""
+    config = text_config(config)
+    return int(_get(config, "attention_chunk_size")) if CHUNKED in layer_types(config) else None
+
+
 def layer_window(config: Any, index: int = 0) -> Optional[int]:
     """Layer `index`'s sliding window as its config states it, dict or config (`sliding_window` where `layer_types`
     makes the layer "sliding_attention"), as vLLM reads a draft layer's config; None: a full-attention layer."""
@@ -246,6 +252,12 @@ def within_window(query_positions, key_positions, window: int):
     vLLM's and transformers' sliding-window attention count it: key position > query position - window.
     Broadcasts its (tensor) arguments."""
     return key_positions > query_positions - window
+
+
+def within_chunk(query_positions, key_positions, chunk: int):
+    """Whether a key is in its query's chunk of `chunk` positions, as transformers' chunked attention counts them
+    (positions 0..chunk-1 the first). Broadcasts its (tensor) arguments."""
+    return key_positions // chunk == query_positions // chunk
 
 
 def attention_layers(config: Any) -> list[int]:

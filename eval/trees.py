@@ -8,7 +8,17 @@ from collections.abc import Sequence
 
 import torch
 
-from draftsmith.families import FULL, SLIDING, layer_types, masks_of_every_kind, sliding_window, within_window
+from draftsmith.families import (
+    CHUNKED,
+    FULL,
+    SLIDING,
+    attention_chunk,
+    layer_types,
+    masks_of_every_kind,
+    sliding_window,
+    within_chunk,
+    within_window,
+)
 from draftsmith.heads.proposer import DraftTree, DynamicTree, Tree
 
 
@@ -84,14 +94,20 @@ def cut_tree(tree: Tree, max_depth: int) -> Tree:
 def attention_masks(model, sees: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor):
     """The attention mask(s) of a forward whose queries see keys as `sees` [B, Q, K] says, at
     `query_positions` [B, Q] and `key_positions` [B, K]: one additive mask where every layer attends
-    alike, and for a target with full and sliding-window layers one per kind (transformers' mapping by
-    layer type), the sliding-window one also hiding keys `sliding_window` or more positions back."""
+    alike, and for a target with full and sliding-window or chunked layers one per kind (transformers' mapping by
+    layer type), the sliding-window one also hiding keys `sliding_window` or more positions back, the chunked one
+    keys of another chunk."""
     kinds = set(layer_types(model.config))
-    if SLIDING not in kinds:
+    queries, keys = query_positions[:, :, None], key_positions[:, None, :]
+    narrowed = {}  # the kinds that see fewer keys than full attention: which of them
+    if SLIDING in kinds:
+        narrowed[SLIDING] = within_window(queries, keys, sliding_window(model.config))
+    if CHUNKED in kinds:
+        narrowed[CHUNKED] = within_chunk(queries, keys, attention_chunk(model.config))
+    if not narrowed:
         return additive_mask(sees, model.dtype)
-    near = within_window(query_positions[:, :, None], key_positions[:, None, :], sliding_window(model.config))
-    windowed = additive_mask(sees & near, model.dtype)
-    if kinds == {SLIDING}:
-        return windowed
+    masks = {kind: additive_mask(sees & near, model.dtype) for kind, near in narrowed.items()}
+    if len(kinds) == 1:
+        return masks[kinds.pop()]
     # a kind of the model's own name (indexed attention beside sliding layers) attends as full attention does
-    return masks_of_every_kind(model.config, {FULL: additive_mask(sees, model.dtype), SLIDING: windowed})
+    return masks_of_every_kind(model.config, {FULL: additive_mask(sees, model.dtype), **masks})

@@ -77,29 +77,36 @@ def test_a_family_no_code_names_is_written_loaded_and_decoded_losslessly(model_t
     assert drafted.tokens == plain and 0 < drafted.counts.accepted < drafted.counts.drafted
 
 
-@pytest.mark.slow  # a Llama-4 target decoded three times: about 4 s
-def test_chunked_attention_decodes_chains_across_its_chunks_and_refuses_trees_and_batches(tmp_path):
+@pytest.mark.slow  # a Llama-4 target decoded four times: about 5 s
+def test_chunked_attention_decodes_chains_trees_and_batches_across_its_chunks(tmp_path):
     """Llama-4's local layers attend within chunks of `attention_chunk_size` positions (transformers'
     `chunked_attention` kind, in a sliding-window cache layer): the eval loop refused the family ("this target also has
-    ['chunked_attention'] layers"). Chains decode as transformers' greedy decoding across chunk boundaries, with
-    drafts accepted and rejected; trees and batches, whose explicit masks its class does not honour, are refused in
-    one line."""
-    from draftsmith.errors import UserError
+    ['chunked_attention'] layers"). Its keys are kept and cut as a sliding layer's, and a tree's or a batch's mask
+    hides the keys of other chunks: chains, trees and batches decode as transformers' greedy decoding across chunk
+    boundaries, with drafts accepted and rejected."""
+    from draftsmith.eval.loop import generate_batch
     from draftsmith.eval.target_checks import check_target
     from draftsmith.families import CHUNKED
     from draftsmith.random_target import write_random_target
     from draftsmith.target import load_target
+    from tests.helpers import WIDE_TREE
 
     target = load_target(str(write_random_target("llama4_text", tmp_path / "llama4", attention_chunk_size=8)))
     assert set(layer_types(target.config)) == {CHUNKED, FULL}
-    prompt = torch.randint(3, 200, (20,), generator=torch.Generator().manual_seed(0)).tolist()
-    plain = generate(target, prompt, 24).tokens  # 44 positions: five chunks
-    assert plain == transformers_greedy(target, prompt, 24)
-    oracle = OracleDrafter(plain, len(prompt), target.config.vocab_size, hit_rate=0.6, seed=0)
-    drafted = generate(target, prompt, 24, drafter=oracle, gamma=3)
-    assert drafted.tokens == plain and 0 < drafted.counts.accepted < drafted.counts.drafted
-    with pytest.raises(UserError, match="does not compute a token by the explicit mask and position the eval loop"):
-        check_target(target, tree=True, batch=True, length=64)
+    check_target(target, tree=True, batch=True, length=64)  # the explicit masks proven, as at an eval's start
+    prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 13)]
+    plain = [generate(target, prompt, 24).tokens for prompt in prompts]  # up to 44 positions: five or six chunks
+    assert plain[0] == transformers_greedy(target, prompts[0], 24)
+    vocab = target.config.vocab_size
+    for tree in (None, WIDE_TREE):
+        oracle = OracleDrafter(plain[0], len(prompts[0]), vocab, hit_rate=0.6, seed=0)
+        drafted = generate(target, prompts[0], 24, drafter=oracle, gamma=3, tree=tree)
+        assert drafted.tokens == plain[0] and 0 < drafted.counts.accepted < drafted.counts.drafted
+    oracles = [
+        OracleDrafter(tokens, len(prompt), vocab, hit_rate=0.6, seed=0) for prompt, tokens in zip(prompts, plain)
+    ]
+    batched = generate_batch(target, prompts, 24, oracles, gamma=3)  # rows of two lengths: the shorter padded
+    assert [row.tokens for row in batched] == plain
 
 
 def test_a_causal_lm_transformers_files_as_image_text_to_text_only_loads_as_that_causal_lm(tmp_path):
