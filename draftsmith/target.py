@@ -407,7 +407,7 @@ def run_target(
         logits=None if defer else outputs.logits,
         final=final,
         layers=layers,
-        cache=outputs.cache if use_cache else None,
+        cache=getattr(outputs, "cache", None) if use_cache else None,  # none: a model keeping its state in its modules
         head=head,
         streams=captured.get("streams"),
     )

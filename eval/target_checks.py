@@ -25,6 +25,8 @@ _PROVEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # models whose logits on a probe were finite (check_finite_logits)
 _FINITE: weakref.WeakSet = weakref.WeakSet()
+# of those, the models whose forward returned no cache (their state kept in their own modules: RecurrentGemma's)
+_CACHELESS: weakref.WeakSet = weakref.WeakSet()
 
 
 def check_target(model, tree: bool = False, batch: bool = False, length: int = 4) -> None:
@@ -46,6 +48,11 @@ def check_target(model, tree: bool = False, batch: bool = False, length: int = 4
         raise UserError(
             f"the eval loop holds the target's keys and states in transformers' DynamicCache, which "
             f"{type(model).__name__} does not take (it keeps a cache of its own)"
+        )
+    if model in _CACHELESS:
+        raise UserError(
+            f"{type(model).__name__}'s forward returns no cache (it keeps its recurrent state in its own modules): "
+            "the eval loop, which rolls a rejected draft back in the cache, cannot verify drafts on it"
         )
     # a layer whose cache layer holds nothing (experts or an MLP as a layer of its own) has nothing to roll back
     cached = zip(layer_types(model.config), new_cache(model).layers)
@@ -81,7 +88,8 @@ def check_finite_logits(model) -> None:
     ids = torch.arange(1, 5, device=device)[None] % (model.config.get_text_config().vocab_size - 1) + 1
     try:
         with scan_chunks(model, ids.shape[1]):  # as the loop's forwards scan
-            finite = run_target(model, ids).logits.isfinite().all()
+            probe = run_target(model, ids, cache=new_cache(model), use_cache=True)
+            finite = probe.logits.isfinite().all()
     except Exception as err:  # noqa: BLE001 - bad input only where transformers' own forward fails too
         require_own_forward(model, ids, err)
         raise
@@ -91,6 +99,8 @@ def check_finite_logits(model) -> None:
             "weights hold non-finite values (a damaged file), or its dtype cannot hold what it computes"
         )
     _FINITE.add(model)
+    if probe.cache is None:
+        _CACHELESS.add(model)
 
 
 def require_own_forward(model, ids: torch.Tensor, err: Exception) -> None:

@@ -16,7 +16,7 @@ from draftsmith.errors import UserError
 from draftsmith.eval.target_checks import check_explicit_masks, check_target
 from draftsmith.families import DRAFT_LAYER_FAMILIES
 from draftsmith.random_target import build_model, write_random_target
-from draftsmith.target import run_target
+from draftsmith.target import load_target, run_target
 from draftsmith.tiny_config import build_config
 from tests.helpers import VOCAB, assert_one_line_error, run_entry_in_process
 
@@ -81,3 +81,18 @@ def test_a_target_whose_hidden_states_stack_streams_before_the_batch_is_one_line
     widths = config.intermediate_size
     assert widths == [96, 112, 128, 144]
     assert next(iter(DRAFT_LAYER_FAMILIES.values())).config(config, 1)["intermediate_size"] == widths[-1]
+
+
+@pytest.mark.slow  # a RecurrentGemma target written, a run started: about 5 s
+def test_a_target_keeping_its_state_outside_the_cache_is_refused_before_a_run_trains(tmp_path, capsys):
+    """RecurrentGemma keeps its recurrent and convolution states in its own modules and returns no cache: a run
+    trained to its end, then its eval stage failed (`'CausalLMOutput' object has no attribute 'cache'`, exit 70). The
+    eval's checks refuse it in one line, and a run whose eval stage would decode on it before it trains."""
+    target = write_random_target("recurrent_gemma", tmp_path / "target")
+    with pytest.raises(UserError, match="RecurrentGemmaForCausalLM's forward returns no cache"):
+        check_target(load_target(str(target)))
+    args = ["train.py", "recipe=medusa", f"target.name_or_path={target}", f"output_dir={tmp_path / 'run'}",
+            "train.max_steps=1", "eval.tree=0", "eval.batch_sizes=[]"]  # fmt: skip
+    result = run_entry_in_process(args, capsys)
+    assert_one_line_error(result, 2, "the eval loop, which rolls a rejected draft back in the cache, cannot verify")
+    assert not (tmp_path / "run" / "final").exists() and "it/s, loss=" not in result.stderr
