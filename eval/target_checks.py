@@ -25,8 +25,8 @@ _PROVEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # models whose logits on a probe were finite (check_finite_logits)
 _FINITE: weakref.WeakSet = weakref.WeakSet()
-# of those, the models whose forward returned no cache (their state kept in their own modules: RecurrentGemma's)
-_CACHELESS: weakref.WeakSet = weakref.WeakSet()
+# whether a model's forward returns the cache it is given (returns_cache)
+_RETURNS_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_target(model, tree: bool = False, batch: bool = False, length: int = 4) -> None:
@@ -49,11 +49,6 @@ def check_target(model, tree: bool = False, batch: bool = False, length: int = 4
             f"the eval loop holds the target's keys and states in transformers' DynamicCache, which "
             f"{type(model).__name__} does not take (it keeps a cache of its own)"
         )
-    if model in _CACHELESS:
-        raise UserError(
-            f"{type(model).__name__}'s forward returns no cache (it keeps its recurrent state in its own modules): "
-            "the eval loop, which rolls a rejected draft back in the cache, cannot verify drafts on it"
-        )
     # a layer whose cache layer holds nothing (experts or an MLP as a layer of its own) has nothing to roll back
     cached = zip(layer_types(model.config), new_cache(model).layers)
     kinds = {kind for kind, layer in cached if not isinstance(layer, DummyLayer)}
@@ -67,6 +62,11 @@ def check_target(model, tree: bool = False, batch: bool = False, length: int = 4
         raise UserError(
             "the eval loop verifies drafts on attention, linear-attention, convolution and compressed-attention layers "
             f"only (whose keys or states it can roll back); this target also has {other} layers"
+        )
+    if not returns_cache(model):
+        raise UserError(
+            f"{type(model).__name__}'s forward returns no cache (it keeps its recurrent state in its own modules): "
+            "the eval loop, which rolls a rejected draft back in the cache, cannot verify drafts on it"
         )
     if tree and reads_in_order(model.config):
         raise UserError(
@@ -84,12 +84,10 @@ def check_finite_logits(model) -> None:
     their own arithmetic."""
     if model in _FINITE:
         return
-    device = model.get_output_embeddings().weight.device
-    ids = torch.arange(1, 5, device=device)[None] % (model.config.get_text_config().vocab_size - 1) + 1
+    ids = probe_ids(model)
     try:
         with scan_chunks(model, ids.shape[1]):  # as the loop's forwards scan
-            probe = run_target(model, ids, cache=new_cache(model), use_cache=True)
-            finite = probe.logits.isfinite().all()
+            finite = run_target(model, ids).logits.isfinite().all()
     except Exception as err:  # noqa: BLE001 - bad input only where transformers' own forward fails too
         require_own_forward(model, ids, err)
         raise
@@ -99,8 +97,22 @@ def check_finite_logits(model) -> None:
             "weights hold non-finite values (a damaged file), or its dtype cannot hold what it computes"
         )
     _FINITE.add(model)
-    if probe.cache is None:
-        _CACHELESS.add(model)
+
+
+def returns_cache(model) -> bool:
+    """Whether the model's forward returns the cache it is given, proven once per model on a few tokens: RecurrentGemma
+    keeps its states in its own modules and returns none."""
+    if model not in _RETURNS_CACHE:
+        ids = probe_ids(model)
+        with scan_chunks(model, ids.shape[1]):
+            _RETURNS_CACHE[model] = run_target(model, ids, cache=new_cache(model), use_cache=True).cache is not None
+    return _RETURNS_CACHE[model]
+
+
+def probe_ids(model) -> torch.Tensor:
+    """[1, 4] tokens the checks' probes run: 1..4, within the vocabulary, on the model's device."""
+    device = model.get_output_embeddings().weight.device
+    return torch.arange(1, 5, device=device)[None] % (model.config.get_text_config().vocab_size - 1) + 1
 
 
 def require_own_forward(model, ids: torch.Tensor, err: Exception) -> None:
