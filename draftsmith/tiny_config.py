@@ -47,6 +47,9 @@ INDEX_BLOCK = 4  # a block-sparse indexer's keys pooled per block: a power of tw
 # Multi-head latent attention's key-value latent and rotary sizes (DeepSeek-V3's, GLM-4.5-Air's, Kimi's):
 # vLLM's CPU MLA kernel serves a 576-wide latent head only (mla/cpu_mla.py), so tiny targets keep them.
 MLA_LATENT, MLA_ROPE = 512, 64
+# Chunked attention's chunk (Llama-4's 8192): 128 positions, which the matrix's rows cross and vLLM's KV blocks divide
+# (its CPU build's 128: "attn_chunk_size 48 is not divisible by block_size 128")
+ATTENTION_CHUNK = 128
 
 
 def build_config(
@@ -58,7 +61,8 @@ def build_config(
 ):
     """A transformers config of `model_type` at the TINY shape (`shape` overrides any field): the
     vocabulary and special token ids given, sliding-window layers (where the family has them)
-    limited to `sliding_window` positions so that short tests cross the window, and chunked attention's chunks too.
+    limited to `sliding_window` positions so that short tests cross the window, and chunked attention's chunks to
+    ATTENTION_CHUNK.
 
     The config is built by its class with every field at once, so that what the class derives in its
     own initialisation (per-layer kinds, MLA's query head size, rotary sizes) follows the tiny shape;
@@ -120,9 +124,8 @@ def build_config(
         config.rope_parameters = {**rope, "mrope_section": sections}
     if sliding_window is not None and getattr(config, "sliding_window", None) is not None:
         config.sliding_window = sliding_window
-    chunked = getattr(config, "attention_chunk_size", None) and "attention_chunk_size" not in shape
-    if sliding_window is not None and chunked:  # chunked attention (Llama-4's): chunks short tests cross too
-        config.attention_chunk_size = sliding_window
+    if getattr(config, "attention_chunk_size", None) and "attention_chunk_size" not in shape:
+        config.attention_chunk_size = ATTENTION_CHUNK  # chunked attention (Llama-4's): chunks a test's rows cross
     config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     return config
 
