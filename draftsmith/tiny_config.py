@@ -87,6 +87,8 @@ def build_config(
         counted and bool(getattr(default, "moe_intermediate_size", None))
     )
     experts = {key: value for key, value in EXPERTS.items() if has_experts and hasattr(default, key)}
+    if getattr(default, "num_experts_per_tok", None) == 1:  # top-1 routing (Llama-4's), which vLLM's kernel requires of
+        experts["num_experts_per_tok"] = 1  # a router weighting the experts' inputs: kept
     fields: dict[str, Any] = {}
     # Later sources win over a field's aliases too (an expert size that is another name of a TINY one).
     for source in (TINY, experts, shape):
