@@ -18,11 +18,16 @@ def declare_as_released(config, model) -> None:
     with the bias (`noaux_tc` where the experts are grouped); the rotary embedding's width (`rotary_dim`,
     which the engines that read it take as transformers' head_dim × partial factor); an embedding normed before the
     layers and scales learned on the MLPs and routers (`use_embed_norm`, `use_global_scale`: vLLM's Inkling builds
-    neither without them, transformers' always does); and `release_fields`' (a field the class already has is kept)."""
-    if any(name.endswith("e_score_correction_bias") for name, _ in (*model.named_buffers(), *model.named_parameters())):
+    neither without them, transformers' always does); a router scaled by `route_scale` whose bias is an MLP's
+    `expert_bias` (EXPERT_BIAS_ROUTER); and `release_fields`' (a field the class already has is kept)."""
+    tensors = [name for name, _ in (*model.named_buffers(), *model.named_parameters())]
+    if any(name.endswith("e_score_correction_bias") for name in tensors):
         config.scoring_func, config.use_routing_bias = "sigmoid", True
         if getattr(config, "n_group", None):
             config.topk_method = "noaux_tc"
+    if hasattr(config, "route_scale") and any(name.endswith("mlp.expert_bias") for name in tensors):
+        for name, value in EXPERT_BIAS_ROUTER.items():
+            setattr(config, name, getattr(config, name, value))
     if hasattr(model.get_input_embeddings(), "embed_norm"):
         config.use_embed_norm = True
     if any(name.endswith("global_scale") for name, _ in model.named_parameters()):
@@ -34,6 +39,13 @@ def declare_as_released(config, model) -> None:
         config.rotary_dim = int(head_dim * factor)
     for name, value in release_fields(config, model).items():
         setattr(config, name, value)
+
+
+# what a release says of a router scaled by `route_scale` whose picking bias is its MLP's `expert_bias` (AFMoE's; not
+# LFM2-MoE's, whose `norm_topk_prob` says whether it renormalises, nor Inkling's), which transformers' code
+# always scores by a sigmoid, renormalising the chosen experts' weights, in one group: vLLM's model reads each of these
+# fields (and fails without one, "'AfmoeConfig' object has no attribute 'score_func'")
+EXPERT_BIAS_ROUTER = {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1}
 
 
 def rotary_share(rope: dict[str, Any]) -> Optional[float]:

@@ -55,7 +55,8 @@ COMPRESSED = ("compressed_sparse_attention", "heavily_compressed_attention")
 ROLLED_BACK = (*ATTENTION_KINDS, LINEAR, CONV, *COMPRESSED)
 
 
-def _get(config: Any, key: str, default=None):
+def config_field(config: Any, key: str, default=None):
+    """A field of a config object or of its dict."""
     if isinstance(config, dict):
         return config.get(key, default)
     try:
@@ -68,8 +69,8 @@ def _get(config: Any, key: str, default=None):
 
 def text_config(config: Any) -> Any:
     """The language model's config of a multimodal wrapper (its `text_config`), else the config."""
-    text = _get(config, "text_config")
-    return text if text is not None and _get(config, "hidden_size") is None else config
+    text = config_field(config, "text_config")
+    return text if text is not None and config_field(config, "hidden_size") is None else config
 
 
 def own_layer_kinds(config_class) -> list[str]:
@@ -105,13 +106,13 @@ def layer_types(config: Any) -> list[str]:
     `sliding_window_pattern`); else sliding-window attention on every layer when the config sets a
     window (Mistral), full attention otherwise."""
     config = text_config(config)
-    types = _get(config, "layer_types")
+    types = config_field(config, "layer_types")
     if types:
-        blocks = _get(config, "index_block_size") is not None
+        blocks = config_field(config, "index_block_size") is not None
         return [BLOCK_INDEXED if blocks and kind not in (FULL, SLIDING) else str(kind) for kind in types]
-    window = _get(config, "sliding_window")
-    uses_window = window is not None and _get(config, "use_sliding_window", True) is not False
-    return [SLIDING if uses_window else FULL] * int(_get(config, "num_hidden_layers"))
+    window = config_field(config, "sliding_window")
+    uses_window = window is not None and config_field(config, "use_sliding_window", True) is not False
+    return [SLIDING if uses_window else FULL] * int(config_field(config, "num_hidden_layers"))
 
 
 def reads_in_order(config: Any) -> bool:
@@ -125,7 +126,8 @@ def reads_in_order(config: Any) -> bool:
 
 def largest_eval_batch(eval_section: Any) -> int:
     """The most prompts the eval decodes together: eval.batch_size, or the largest of its eval.batch_sizes sweep."""
-    return max([int(_get(eval_section, "batch_size", 1)), *map(int, _get(eval_section, "batch_sizes", None) or [])])
+    sweep = config_field(eval_section, "batch_sizes", None) or []
+    return max([int(config_field(eval_section, "batch_size", 1)), *map(int, sweep)])
 
 
 def check_eval_settings(config: Any, eval_section: Any) -> None:
@@ -134,7 +136,7 @@ def check_eval_settings(config: Any, eval_section: Any) -> None:
     pass through them (the loop decodes its rows one at a time, so a batch's speed cannot be measured)."""
     if not reads_in_order(config):
         return
-    if int(_get(eval_section, "tree", 0)) > 0:
+    if int(config_field(eval_section, "tree", 0)) > 0:
         raise UserError(
             "eval.tree: a target with linear-, compressed-, block-sparse or convolved attention layers verifies chains "
             "only (they read a draft's tokens in order, so a tree's branches would see each other): set eval.tree=0"
@@ -151,52 +153,26 @@ def masks_of_every_kind(config: Any, masks: dict) -> dict:
     """Masks given per layer kind (full and sliding-window attention's), with one for every kind the model's layers
     have, under the names its config gives them: a kind given none attends as full attention does (Dots3-Note's
     indexed layers beside its sliding ones: their indexer picks among the keys that mask lets through)."""
-    kinds = _get(text_config(config), "layer_types") or ()
+    kinds = config_field(text_config(config), "layer_types") or ()
     return {kind: masks.get(kind, masks[FULL]) for kind in kinds} | masks
 
 
 def sliding_window(config: Any) -> Optional[int]:
     """The number of positions a sliding-window layer sees (itself included), None without one."""
     config = text_config(config)
-    return int(_get(config, "sliding_window")) if SLIDING in layer_types(config) else None
+    return int(config_field(config, "sliding_window")) if SLIDING in layer_types(config) else None
 
 
 def attention_chunk(config: Any) -> Optional[int]:
     """The positions of a chunked-attention layer's chunks (`attention_chunk_size`), None without one."""
-    return int(_get(text_config(config), "attention_chunk_size")) if CHUNKED in layer_types(config) else None
+    return int(config_field(text_config(config), "attention_chunk_size")) if CHUNKED in layer_types(config) else None
 
 
 def layer_window(config: Any, index: int = 0) -> Optional[int]:
     """Layer `index`'s sliding window as its config states it, dict or config (`sliding_window` where `layer_types`
     makes the layer "sliding_attention"), as vLLM reads a draft layer's config; None: a full-attention layer."""
-    kinds, window = _get(config, "layer_types") or [], _get(config, "sliding_window")
+    kinds, window = config_field(config, "layer_types") or [], config_field(config, "sliding_window")
     return int(window) if index < len(kinds) and kinds[index] == SLIDING and window is not None else None
-
-
-# The release field stating how many keys (the query's own included) vLLM's sliding-window layers attend. A
-# transformers class reading it as its `sliding_window` agrees (Inkling's, Dots3-Note's); one deriving another count
-# from it (MiMo-V2's one more, after SGLang's reference, its comment says) runs another target than vLLM serves.
-SERVED_WINDOW_FIELD = "sliding_window_size"
-
-
-def served_window(config: Any) -> Optional[int]:
-    """The window vLLM's sliding-window layers attend where the release states it (SERVED_WINDOW_FIELD) and
-    transformers' `sliding_window` says another; None where they agree or no layer slides."""
-    text = text_config(config)
-    stated, ours = _get(text, SERVED_WINDOW_FIELD), _get(text, "sliding_window")
-    if not isinstance(stated, int) or not isinstance(ours, int) or stated == ours:
-        return None
-    return stated if SLIDING in layer_types(text) else None
-
-
-def serve_window(config: Any) -> Optional[int]:
-    """Sets a config built by transformers' class to attend the window vLLM serves (`served_window`), in place: the
-    target's as draftsmith loads it, and a draft model's each time its class builds its config from a dict (which
-    derives transformers' window again). Returns that window, None where nothing changed."""
-    window = served_window(config)
-    if window is not None:
-        text_config(config).sliding_window = window
-    return window
 
 
 # The release field whose entry i (> 0; else none) vLLM 0.32 clamps decoder layer i's SwiGLU inputs by: its dense or
@@ -218,10 +194,11 @@ def unserved_clamp(config: Any, name_or_path: str) -> Optional[str]:
     one line: it clamps some decoder layer's SwiGLU (CLAMP_FIELD), which transformers' class for it does not declare;
     None where both compute alike, or where the class is not known yet (remote code: checked once its config loads)."""
     text = text_config(config)
-    limits = _get(text, CLAMP_FIELD)
+    limits = config_field(text, CLAMP_FIELD)
     if not isinstance(limits, list):
         return None
-    read = limits[: int(_get(text, "num_hidden_layers") or len(limits))]  # vLLM reads one entry per decoder layer
+    # vLLM reads one entry per decoder layer
+    read = limits[: int(config_field(text, "num_hidden_layers") or len(limits))]
     layers = [index for index, limit in enumerate(read) if isinstance(limit, (int, float)) and limit > 0]
     if not layers:  # before transformers' import (a second of every recipe check)
         return None
@@ -229,7 +206,7 @@ def unserved_clamp(config: Any, name_or_path: str) -> Optional[str]:
 
     from transformers import CONFIG_MAPPING
 
-    model_type = _get(text, "model_type")
+    model_type = config_field(text, "model_type")
     known = isinstance(text, dict) and isinstance(model_type, str) and model_type in CONFIG_MAPPING
     config_class = type(text) if not isinstance(text, dict) else CONFIG_MAPPING[model_type] if known else None
     if config_class is None:
@@ -266,7 +243,7 @@ def attention_layers(config: Any) -> list[int]:
 
 def norm_eps(config: Any) -> float:
     for key in ("rms_norm_eps", "layer_norm_eps", "norm_eps", "layer_norm_epsilon"):
-        value = _get(config, key)
+        value = config_field(config, key)
         if value is not None:
             return float(value)
     return 1e-6
@@ -274,11 +251,11 @@ def norm_eps(config: Any) -> float:
 
 def rope_theta(config: Any) -> float:
     """The target's RoPE base (of its full-attention layers where the family sets one per kind)."""
-    params = _get(config, "rope_parameters") or _get(config, "rope_scaling") or {}
+    params = config_field(config, "rope_parameters") or config_field(config, "rope_scaling") or {}
     if isinstance(params, dict) and FULL in params:
         params = params[FULL]
     theta = (params or {}).get("rope_theta") if isinstance(params, dict) else None
-    return float(theta or _get(config, "rope_theta") or 10000.0)
+    return float(theta or config_field(config, "rope_theta") or 10000.0)
 
 
 # Scaled RoPE kinds the engines' Llama/Qwen3 layers read exactly as transformers computes them;
@@ -292,7 +269,7 @@ PORTABLE_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original
 
 
 def draft_rope(config: Any) -> dict[str, Any]:
-    params = _get(config, "rope_parameters") or _get(config, "rope_scaling")
+    params = config_field(config, "rope_parameters") or config_field(config, "rope_scaling")
     kind = params.get("rope_type", params.get("type")) if isinstance(params, dict) else None
     if kind in PORTABLE_ROPE:
         return {key: params[key] for key in PORTABLE_ROPE_KEYS if key in params} | {
@@ -327,20 +304,20 @@ class LayerFamily:
         norm epsilon, RoPE base, context length, vocabulary), plain SiLU layers without biases or
         sliding windows, `num_layers` of them; nothing else from the target's family."""
         target = text_config(target_config)
-        hidden, heads = int(_get(target, "hidden_size")), int(_get(target, "num_attention_heads"))
-        width = _get(target, "intermediate_size")
+        hidden, heads = int(config_field(target, "hidden_size")), int(config_field(target, "num_attention_heads"))
+        width = config_field(target, "intermediate_size")
         width = width[-1] if isinstance(width, (list, tuple)) else width  # one per layer (Gemma-3n): the last layer's
         config = {
             "model_type": self.model_type,
             "hidden_size": hidden,
             "intermediate_size": int(width or 4 * hidden),
             "num_attention_heads": heads,
-            "num_key_value_heads": int(_get(target, "num_key_value_heads") or heads),
-            "head_dim": int(_get(target, "head_dim") or hidden // heads),
+            "num_key_value_heads": int(config_field(target, "num_key_value_heads") or heads),
+            "head_dim": int(config_field(target, "head_dim") or hidden // heads),
             "hidden_act": "silu",
             "rms_norm_eps": norm_eps(target),
-            "vocab_size": int(_get(target, "vocab_size")),
-            "max_position_embeddings": int(_get(target, "max_position_embeddings") or 4096),
+            "vocab_size": int(config_field(target, "vocab_size")),
+            "max_position_embeddings": int(config_field(target, "max_position_embeddings") or 4096),
             "rope_parameters": draft_rope(target),
             "attention_bias": False,
             "num_hidden_layers": num_layers,
@@ -356,8 +333,8 @@ class LayerFamily:
                 "num_global_key_value_heads": config["num_key_value_heads"],
             }
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if _get(target, key) is not None:
-                config[key] = _get(target, key)
+            if config_field(target, key) is not None:
+                config[key] = config_field(target, key)
         return config
 
 

@@ -17,8 +17,9 @@ from draftsmith.causal_lm import (
     wraps_a_text_model,
 )
 from draftsmith.errors import UserError
-from draftsmith.families import SERVED_WINDOW_FIELD, serve_window, text_config, unserved_clamp
+from draftsmith.families import text_config, unserved_clamp
 from draftsmith.model_files import TRANSFORMERS_LAYERS, read_pretrained
+from draftsmith.vllm_window import serve_window
 
 log = logging.getLogger("draftsmith.target")
 
@@ -27,8 +28,8 @@ def load_config(section, say: bool = False):
     """The target's config as draftsmith runs it: transformers' reading of the release, its sliding-window layers
     attending the keys vLLM serves it with (`served_window`; `say`: in a log line, once per model read). Only this
     in-memory object changes: the release's config.json stays as written (the export ships it), and a dict saved from
-    this config keeps the release's `sliding_window_size`, from which vLLM reads its window and transformers derives
-    its own again. One whose layers vLLM clamps and transformers' class does not is refused (`unserved_clamp`)."""
+    this config states the served count in `sliding_window_size` (draftsmith.vllm_window). One whose layers vLLM
+    clamps and transformers' class does not is refused (`unserved_clamp`)."""
     from transformers import AutoConfig
 
     config = read_pretrained(
@@ -43,8 +44,8 @@ def load_config(section, say: bool = False):
     theirs = getattr(text_config(config), "sliding_window", None)
     if (window := serve_window(config)) is not None:
         (log.info if say else log.debug)(
-            "target %s: its sliding-window layers attend %s=%d keys, as vLLM serves it (transformers' class "
-            "reads sliding_window=%d from it)", section.name_or_path, SERVED_WINDOW_FIELD, window, theirs,
+            "target %s: its sliding-window layers attend %d keys, as vLLM serves it (transformers' class would "
+            "attend %d)", section.name_or_path, window, theirs,
         )  # fmt: skip
     return config
 

@@ -34,6 +34,7 @@ from draftsmith.formats.repo import (
 )
 from draftsmith.formats.versions import PARALLEL_DRAFTING_RELEASES, Releases
 from draftsmith.heads import drafter_class
+from draftsmith.vllm_window import as_released
 
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE "
@@ -45,8 +46,9 @@ FIRST_LAYER = re.compile(r"(^|\.)layers\.0\.")  # a causal LM's first decoder la
 
 
 def model_config(source: Source) -> dict[str, Any]:
+    """The draft model's config.json: its config as its release would state it, which the engine reads."""
     drafter = source.drafter
-    config = dict(drafter.config.model_config)
+    config = as_released(drafter.config.model_config)
     config["architectures"] = [
         type(drafter.model.get_base_model() if hasattr(drafter.model, "get_base_model") else drafter.model).__name__
     ]

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from draftsmith.causal_lm import may_be_a_causal_lm, no_causal_lm, register_misfiled_causal_lms
 from draftsmith.errors import UserError
-from draftsmith.families import ATTENTION_KINDS, COMPRESSED, layer_types, serve_window
+from draftsmith.families import ATTENTION_KINDS, COMPRESSED, layer_types
 from draftsmith.heads import register
 from draftsmith.heads.base import Drafter, per_sample_stats
 from draftsmith.heads.distill import KINDS, distill_loss, divergences, loss_terms
@@ -60,6 +60,7 @@ from draftsmith.heads.packing import (
 from draftsmith.heads.vocab_loss import at_rows, chunk_rows_for, rows_loss
 from draftsmith.model_files import TRANSFORMERS_LAYERS, read_pretrained
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
+from draftsmith.vllm_window import serve_window
 
 
 @register

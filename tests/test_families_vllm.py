@@ -71,6 +71,58 @@ def test_a_target_vllm_cannot_capture_for_eagle3_is_refused_in_one_line(tmp_path
         assert not (run / "export" / "vllm").exists()
 
 
+def test_a_cohere2_moe_target_is_served_by_vllm_with_the_window_draftsmith_runs(
+    vllm_python, engine_session, tmp_path, small_data, token_cache
+):
+    """vLLM 0.32 serves a Cohere2 sliding layer one key more than `sliding_window` (draftsmith.vllm_window): an
+    EAGLE-3 drafter of a Cohere2-MoE target whose window (16 keys) every checked prompt outgrows is served with vLLM's
+    plain output equal to draftsmith's and its τ within 2% of draftsmith's. (Before draftsmith.vllm_window, the
+    export's check refused it: "vLLM's plain greedy output differs from draftsmith's".)"""
+    target = family_target("cohere2_moe", tmp_path, token_cache, sliding_window=16)
+    args = family_recipe(target, "eagle3", EAGLE3, tmp_path / "run", small_data, token_cache)
+    verified = train_and_export_for_vllm(args, vllm_python, tmp_path / "export", engine_session)["verified"]
+    assert verified["lossless"] and verified["equals_draftsmith_plain"], verified
+    assert verified["counters"]["num_accepted_tokens"] > 0, verified
+    assert abs(verified["relative_difference"]) <= 0.02, verified
+
+
+def test_the_model_types_vllm_serves_one_key_more_than_their_window_are_vllms_own(vllm_python):
+    """draftsmith.vllm_window's VLLM_ONE_MORE_KEY is every model type whose causal LM the installed vLLM builds with
+    a module passing `config.sliding_window + 1` to its sliding layers (read from the module's source, as the
+    registry names it), less the model types with no sliding window (Cohere v1, whose class vLLM's module leaves
+    unwidened), and none other."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from draftsmith.vllm_window import VLLM_ONE_MORE_KEY
+
+    site = Path(site_packages(vllm_python))
+
+    def source(module: str) -> str:  # a module the registry names (short: under model_executor/models), or a package
+        dotted = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
+        path = site / dotted.replace(".", "/")
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+        return "".join(file.read_text() for file in files)
+
+    registry = ast.parse((site / "vllm" / "model_executor" / "models" / "registry.py").read_text())
+    (text_models,) = [node.value for node in registry.body if isinstance(node, ast.Assign)
+                      and getattr(node.targets[0], "id", "") == "_TEXT_GENERATION_MODELS"]  # fmt: skip
+    widening = {
+        architecture for architecture, (module, _) in ast.literal_eval(text_models).items()
+        if re.search(r"config\.sliding_window \+ 1", source(module))
+    }  # fmt: skip
+    assert "Cohere2ForCausalLM" in widening
+    found = {
+        model_type for model_type, architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
+        if architecture in widening and hasattr(CONFIG_MAPPING[model_type](), "sliding_window")
+    }  # fmt: skip
+    assert found == set(VLLM_ONE_MORE_KEY)
+
+
 # vLLM's own answer, per text-generation architecture its environment loads: whether the model class has the EAGLE-3
 # interface (supports_eagle3), which the engine's start requires of a target whose states a drafter reads
 EAGLE3_INTERFACES = """

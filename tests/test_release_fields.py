@@ -86,10 +86,29 @@ def test_hy_v3_carries_the_fields_vllm_reads_as_transformers_builds_the_layers(w
     assert config["route_norm"] is True  # transformers' HY-V3 router always renormalises: no field says otherwise
 
 
-@pytest.mark.parametrize("model_type", ["mimo_v2_flash", "hy_v3", "exaone_moe"])
+def test_afmoe_carries_the_router_fields_vllm_reads_as_transformers_routes(written):
+    """transformers' AFMoE router scores the experts by a sigmoid, picks them with its `expert_bias` and renormalises
+    the chosen ones' weights (then scales them by `route_scale`), in no groups: the fields vLLM's model reads say so
+    (vLLM failed on a tiny target without them: "'AfmoeConfig' object has no attribute 'score_func'")."""
+    config, model = written("afmoe")
+    assert {name: config[name] for name in ("score_func", "route_norm", "n_group", "topk_group")} == {
+        "score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1,
+    }  # fmt: skip
+    mlp = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "expert_bias"))
+    hidden = torch.randn(1, 5, config["hidden_size"], generator=torch.Generator().manual_seed(0))
+    bias = torch.randn(config["num_experts"], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, weights, chosen = mlp.router(hidden, bias)
+    scores = torch.sigmoid(mlp.router.gate(hidden[0]).float())
+    expected = scores.gather(1, (scores + bias).topk(config["num_experts_per_tok"], dim=1).indices)
+    torch.testing.assert_close(weights, expected / expected.sum(-1, keepdim=True) * config["route_scale"])
+
+
+@pytest.mark.parametrize("model_type", ["mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe"])
 def test_the_added_fields_change_nothing_transformers_builds(model_type, written):
     config, model = written(model_type)
     added = {"qk_norm", "route_norm", "expert_hidden_dim", "layernorm_epsilon", "first_k_dense_replace"}
+    added |= {"score_func", "n_group", "topk_group"}
     added |= PER_LAYER_FORM | {"sliding_window_size", "rope_theta", "partial_rotary_factor", "swa_v_head_dim"}
     without = {name: value for name, value in config.items() if name not in added}
     bare = type(model.config).from_dict(without).to_dict()

@@ -1,7 +1,9 @@
 """The target draftsmith runs is the target vLLM serves: where a release states its sliding window in a field of its
 own (`sliding_window_size`) and transformers' class derives another `sliding_window` from it (MiMo-V2-Flash's one
 key more), draftsmith's target attends the release's count, as vLLM 0.32's layers do, and the release's config.json
-stays as written (docs/targets-mtp.md, MiMo-V2-Flash)."""
+stays as written (docs/targets-mtp.md, MiMo-V2-Flash); where vLLM's class attends one key more than `sliding_window`
+(Cohere2's), draftsmith's target and draft models do too, and a draft model's exported config.json states the
+release's window, which vLLM widens itself (draftsmith.vllm_window)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from draftsmith.families import served_window
 from draftsmith.random_target import write_random_target
 from draftsmith.target import load_target
+from draftsmith.vllm_window import served_window
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,7 +40,7 @@ def test_a_mimo_v2_flash_target_attends_the_releases_sliding_window_size_keys(tm
     with caplog.at_level(logging.INFO, logger="draftsmith.target"):
         model = load_target(str(folder))
     said = [record.getMessage() for record in caplog.records if "as vLLM serves it" in record.getMessage()]
-    assert len(said) == 1 and f"sliding_window_size={WINDOW} keys" in said[0], said
+    assert len(said) == 1 and f"attend {WINDOW} keys" in said[0], said
     assert model.config.sliding_window == WINDOW
     ids = torch.randint(3, 4000, (1, 24), generator=torch.Generator().manual_seed(0))
     served = AutoConfig.from_pretrained(folder)
@@ -62,6 +64,9 @@ def test_a_mimo_v2_flash_target_attends_the_releases_sliding_window_size_keys(tm
         ({"sliding_window": 8, "sliding_window_size": 8}, None),  # a class reading it as its window (Inkling's)
         ({"sliding_window": 9}, None),  # no release field: transformers' window is vLLM's
         ({"sliding_window": 9, "sliding_window_size": 8, "layer_types": ["full_attention"] * 2}, None),  # none slides
+        ({"model_type": "cohere2", "sliding_window": 8}, 9),  # vLLM's class attends one key more
+        ({"model_type": "cohere2", "sliding_window": 9, "sliding_window_size": 9}, None),  # stated: served already
+        ({"model_type": "cohere2", "sliding_window": 8, "layer_types": ["full_attention"] * 2}, None),
     ],
 )
 def test_the_served_window_is_the_releases_field_where_transformers_reads_another(fields, window):
@@ -85,3 +90,50 @@ def test_a_draft_model_of_a_mimo_v2_flash_targets_layers_attends_the_served_wind
         assert drafter.model.config.sliding_window == WINDOW
         drafter.save_pretrained(tmp_path / "draft")
         assert load_drafter(tmp_path / "draft", target_model=target).model.config.sliding_window == WINDOW
+
+
+@pytest.mark.parametrize("family", ["cohere2", "cohere2_moe"])
+def test_a_cohere2_target_attends_one_key_more_than_its_sliding_window_as_vllm_serves_it(family, tmp_path, caplog):
+    """The loaded target's logits over 24 positions equal transformers' model built with `sliding_window + 1` keys
+    and differ from transformers' own reading past the window; the load says so in one line; config.json stays."""
+    folder = write_random_target(family, tmp_path / "target", sliding_window=WINDOW)
+    written = (folder / "config.json").read_text()
+    with caplog.at_level(logging.INFO, logger="draftsmith.target"):
+        model = load_target(str(folder))
+    said = [record.getMessage() for record in caplog.records if "as vLLM serves it" in record.getMessage()]
+    assert len(said) == 1 and f"attend {WINDOW + 1} keys" in said[0], said
+    assert model.config.sliding_window == WINDOW + 1
+    ids = torch.randint(3, 4000, (1, 24), generator=torch.Generator().manual_seed(0))
+    served = AutoConfig.from_pretrained(folder)
+    served.sliding_window = WINDOW + 1
+    reference = AutoModelForCausalLM.from_pretrained(folder, config=served, dtype=torch.float32).eval()
+    narrower = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours, ref, fewer = logits(model, ids), logits(reference, ids), logits(narrower, ids)
+    assert torch.equal(ours, ref)
+    assert (ours[0, WINDOW + 1 :] - fewer[0, WINDOW + 1 :]).abs().amax(-1).min() > 1e-4  # past it, every position
+    assert (folder / "config.json").read_text() == written
+
+
+def test_a_draft_model_of_a_cohere2_target_is_widened_once_and_exported_as_its_release_states_it(tmp_path):
+    """A draft of a Cohere2 target's first layers, and a small Cohere2 model named as the draft, attend one key more
+    than the release's window when built and when reloaded from its checkpoint (not one more each time), and the
+    config.json the export writes states the release's window, which vLLM widens itself."""
+    from draftsmith.formats import Source
+    from draftsmith.formats.draft_model import model_config
+    from draftsmith.heads import drafter_class
+    from draftsmith.heads.base import load_drafter
+
+    folder = write_random_target("cohere2", tmp_path / "target", sliding_window=WINDOW)
+    target = load_target(str(folder))
+    cls = drafter_class("draft_model")
+    for config in (cls.Config(num_layers=2), cls.Config(name_or_path=str(folder))):
+        drafter = cls.from_target(config, target, str(folder))
+        assert drafter.model.config.sliding_window == WINDOW + 1
+        drafter.save_pretrained(tmp_path / "draft")
+        reloaded = load_drafter(tmp_path / "draft", target_model=target)
+        assert reloaded.model.config.sliding_window == WINDOW + 1
+        # the config.json is the drafter's own: the export's other inputs are not read for it
+        released = model_config(
+            Source(drafter=reloaded, checkpoint=tmp_path / "draft", target_model=target, target=None)
+        )
+        assert released["sliding_window"] == WINDOW and "sliding_window_size" not in released
