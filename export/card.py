@@ -54,7 +54,7 @@ def write_card(
         speculative_config=speculative_config,
         dtype=info["target_dtype"],
         engine_flags=vllm_serve_flags(
-            (info.get("verified") or {}).get("engine_arguments", {}),
+            {**(info.get("engine_arguments") or {}), **(info.get("verified") or {}).get("engine_arguments", {})},
             info.get("target_overrides"),
             info.get("compilation_config"),
         ),
@@ -151,7 +151,8 @@ def served_note(engine: str, verified: Optional[dict[str, Any]], dtype: str) -> 
             "differently): the acceptance was compared instead."
         )
         flags = vllm_serve_flags(arguments)
-        said = {"--no-enable-prefix-caching": "with prefix caching off", "--language-model-only": "text only"}
+        said = {"--no-enable-prefix-caching": "with prefix caching off", "--language-model-only": "text only",
+                "--disable-hybrid-kv-cache-manager": "with the hybrid KV cache manager off"}  # fmt: skip
         settings = " and ".join(what for flag, what in said.items() if flag in flags)
         served_so = f", and {settings}, as the command serves it (`{flags.strip()}`)" if settings else ""
         return (

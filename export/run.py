@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from contextlib import nullcontext
 from dataclasses import asdict
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
@@ -352,8 +353,6 @@ def export_info(
     schedule: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """draftsmith_export.json: where the folder came from and what was converted on the way."""
-    from importlib import metadata
-
     drafter = source.drafter
     releases_known = SERVING_ENGINES[repo.engine].knows_releases
     releases = exporter_for(drafter.type).releases(asdict(drafter.config), gamma)
@@ -373,6 +372,7 @@ def export_info(
         "serve": repo.serve,
         "target_overrides": repo.target_overrides or None,  # what the serving command tells vLLM of the target
         "compilation_config": repo.compilation_config or None,  # how the serving command has vLLM compile
+        "engine_arguments": repo.engine_arguments or None,  # vLLM's engine arguments the serving command gives
         "target_dtype": served_dtype(source.target_model),  # the dtype the serving command serves the target in
         "speculative_config": served_config(repo, gamma, schedule, drafter),
         "vllm_releases": served_by(repo.method, releases) if releases_known else None,

@@ -384,7 +384,8 @@ def sweep_load(cfg: DictConfig, python: str, folder: Path, drafter: dict[str, An
     threads = cfg.export.sweep.cpu_threads or int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
     # a drafter that verifies with a target of its own (Medusa-2's adapted one) serves it from its folder
     served_target = folder / "target" if (folder / "target").is_dir() else cfg.target.name_or_path
-    overrides = read_json(folder / EXPORT_INFO, "export record").get("target_overrides") or {}  # as the check's
+    record = read_json(folder / EXPORT_INFO, "export record")  # the target's overrides and engine arguments, as checked
+    overrides, folder_arguments = record.get("target_overrides") or {}, record.get("engine_arguments") or {}
     return Load(
         python=python,
         target=str(served_target),
@@ -396,7 +397,7 @@ def sweep_load(cfg: DictConfig, python: str, folder: Path, drafter: dict[str, An
         dtype=dtype_name(resolve_dtype(cfg.target.dtype, resolve_device(cfg.eval.device))),
         max_model_len=max(map(len, prompts)) + new_tokens + 8,
         drafter=drafter,
-        engine_arguments=target_arguments(reads_in_order(target_config), served_target, overrides),
+        engine_arguments=target_arguments(reads_in_order(target_config), served_target, overrides) | folder_arguments,
     )
 
 

@@ -168,6 +168,7 @@ def verify_in_vllm(
     }
     # as the folder's serving command serves the target (formats/repo.py vllm_serve_flags): checked so too
     request |= target_arguments(reads_in_order(source.target_model.config), served_target_dir, repo.target_overrides)
+    request |= repo.engine_arguments
     # the served target's files and the request: what both loops' plain runs depend on (a drafter that
     # verifies with a target of its own, Medusa-2's adapted one, serves that target from its folder)
     plain_key = json.dumps([cfg.export.vllm_python, stamp(Path(served_target_dir)), request])
@@ -203,7 +204,14 @@ def verify_in_vllm(
     # what the check ran vLLM with besides the speculative config, for the model card to state
     summary["engine_arguments"] = {
         key: request[key]
-        for key in ("dtype", "max_model_len", "enable_prefix_caching", "language_model_only", "hf_overrides")
+        for key in (
+            "dtype",
+            "max_model_len",
+            "enable_prefix_caching",
+            "language_model_only",
+            "hf_overrides",
+            "disable_hybrid_kv_cache_manager",
+        )
         if key in request
     }
     if schedule is not None:

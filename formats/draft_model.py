@@ -60,18 +60,16 @@ def model_config(source: Source) -> dict[str, Any]:
     return config
 
 
-def widened_window_limit(config: Mapping[str, Any]) -> Optional[str]:
-    """Why vLLM's CPU build cannot serve this draft model, or None: one with sliding layers that vLLM widens by a key
-    (draftsmith.vllm_window's VLLM_ONE_MORE_KEY) it serves beside the target wrongly (measured on 0.32.0 with draft
-    models of a Cohere2 and a Cohere2-MoE target's first layers: its greedy output with the drafter parted from its
-    output without it; with every layer full attention it did not, and the targets' own sliding layers serve
-    Medusa and EAGLE-3 drafters losslessly)."""
-    if config.get("model_type") in VLLM_ONE_MORE_KEY and SLIDING in layer_types(config):
-        return (
-            "it verifies drafts wrongly beside a draft model whose sliding layers it widens by one key (its greedy "
-            "output with the drafter parts from its output without it; GPU builds not measured)"
-        )
-    return None
+def widened_window_arguments(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine arguments vLLM serves this draft model with as trained: its hybrid KV cache manager off for one with
+    sliding layers that vLLM widens by a key (draftsmith.vllm_window's VLLM_ONE_MORE_KEY). With the manager on, vLLM
+    0.32 verifies drafts wrongly beside such a draft model (measured on its CPU build with draft models of a Cohere2
+    and a Cohere2-MoE target's first layers: its greedy output with the drafter parted from its output without it on
+    every prompt; with the manager off, or every draft layer full attention, it did not); the target's own sliding
+    layers serve Medusa and EAGLE-3 drafters losslessly with it on. Off, every layer's keys are kept whole: more KV
+    cache memory at long contexts."""
+    widened = config.get("model_type") in VLLM_ONE_MORE_KEY and SLIDING in layer_types(config)
+    return {"disable_hybrid_kv_cache_manager": True} if widened else {}
 
 
 def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -157,7 +155,7 @@ class DraftModelExporter(Exporter):
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         repo = self.repo(source, "vllm", VLLM_SERVE, self.vllm_method)
-        return replace(repo, cpu_build_limit=widened_window_limit(repo.config))
+        return replace(repo, engine_arguments=widened_window_arguments(repo.config))
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         return replace(self.repo(source, "sglang", SGLANG_SERVE, "STANDALONE"), revision_flag=SGLANG_REVISION_FLAG)

@@ -86,11 +86,13 @@ def vllm_serve_flags(
 ) -> str:
     """The `vllm serve` flags for the engine arguments the export's check ran vLLM with (export/verify.py) that an
     engine needs to run as checked: prefix caching off where the check turned it off (a hybrid target: with it on,
-    vLLM 0.32 speculates through a Triton kernel its CPU build lacks), and the folder's `target_overrides` and
-    `compilation_config` (checked or not). The check's dtype is the command's `--dtype`; its others (eager,
-    max_model_len) change memory and speed, not the tokens, save where the folder's compilation_config says so."""
+    vLLM 0.32 speculates through a Triton kernel its CPU build lacks), the hybrid KV cache manager off where the folder
+    says so (its `engine_arguments`), and the folder's `target_overrides` and `compilation_config` (checked or not).
+    The check's dtype is the command's `--dtype`; its others (eager, max_model_len) change memory and speed, not the
+    tokens, save where the folder's compilation_config says so."""
     flags = " --no-enable-prefix-caching" if engine_arguments.get("enable_prefix_caching") is False else ""
     flags += " --language-model-only" if engine_arguments.get("language_model_only") else ""
+    flags += " --disable-hybrid-kv-cache-manager" if engine_arguments.get("disable_hybrid_kv_cache_manager") else ""
     flags += f" --hf-overrides '{json.dumps(target_overrides)}'" if target_overrides else ""
     return flags + (f" --compilation-config '{json.dumps(compilation_config)}'" if compilation_config else "")
 
@@ -178,6 +180,9 @@ class EngineRepo:
     # {"mode": 0}, compilation off, for several MTP depths of a model vLLM compiles once (formats/mtp.py's
     # COMPILED_ONCE); the export's check runs vLLM eager whatever this says
     compilation_config: dict[str, Any] = field(default_factory=dict)
+    # vLLM's engine arguments the folder serves as trained with, beyond the target's (`target_arguments`): passed to
+    # the export's check and the load sweep, and written into the serving command (`vllm_serve_flags`)
+    engine_arguments: dict[str, Any] = field(default_factory=dict)
     # the serving command's flag naming the drafter's Hub branch (its `{revision_flags}`); "": the command names the
     # branch elsewhere or not at all (vLLM's speculative config carries it as `revision`)
     revision_flag: str = ""

@@ -71,19 +71,29 @@ def test_a_target_vllm_cannot_capture_for_eagle3_is_refused_in_one_line(tmp_path
         assert not (run / "export" / "vllm").exists()
 
 
-def test_a_cohere2_moe_target_is_served_by_vllm_with_the_window_draftsmith_runs(
+def test_a_cohere2_draft_model_is_served_by_vllm_with_the_window_draftsmith_runs(
     vllm_python, engine_session, tmp_path, small_data, token_cache
 ):
-    """vLLM 0.32 serves a Cohere2 sliding layer one key more than `sliding_window` (draftsmith.vllm_window): an
-    EAGLE-3 drafter of a Cohere2-MoE target whose window (16 keys) every checked prompt outgrows is served with vLLM's
-    plain output equal to draftsmith's and its τ within 2% of draftsmith's. (Before draftsmith.vllm_window, the
-    export's check refused it: "vLLM's plain greedy output differs from draftsmith's".)"""
-    target = family_target("cohere2_moe", tmp_path, token_cache, sliding_window=16)
-    args = family_recipe(target, "eagle3", EAGLE3, tmp_path / "run", small_data, token_cache)
+    """vLLM 0.32 serves a Cohere2 sliding layer one key more than `sliding_window` (draftsmith.vllm_window): a draft
+    model of a Cohere2 target's first layers, the target's window (16 keys) outgrown by every checked prompt, is served
+    with vLLM's plain output equal to draftsmith's, its output with the drafter equal to its output without it, and its
+    τ within 2% of draftsmith's: target and draft attend the same keys in both, and the folder is served with vLLM's
+    hybrid KV cache manager off (formats/draft_model.py `widened_window_arguments`; with it on vLLM's output with the
+    drafter parted from its output without it). Its config.json states the release's window, which vLLM widens.
+    (Before draftsmith.vllm_window, the check refused the target: "vLLM's plain greedy output differs from
+    draftsmith's".)"""
+    import json
+
+    target = family_target("cohere2", tmp_path, token_cache, sliding_window=16)
+    args = family_recipe(target, "draft", ["train.lr=3e-3"], tmp_path / "run", small_data, token_cache)
     verified = train_and_export_for_vllm(args, vllm_python, tmp_path / "export", engine_session)["verified"]
     assert verified["lossless"] and verified["equals_draftsmith_plain"], verified
     assert verified["counters"]["num_accepted_tokens"] > 0, verified
     assert abs(verified["relative_difference"]) <= 0.02, verified
+    assert verified["engine_arguments"]["disable_hybrid_kv_cache_manager"] is True
+    folder = tmp_path / "export" / "vllm"
+    assert json.loads((folder / "config.json").read_text())["sliding_window"] == 16
+    assert "--disable-hybrid-kv-cache-manager" in (folder / "README.md").read_text()
 
 
 def test_the_model_types_vllm_serves_one_key_more_than_their_window_are_vllms_own(vllm_python):

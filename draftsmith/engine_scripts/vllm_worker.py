@@ -32,18 +32,18 @@ A request is an object with one key, the name of what it asks for, whose value h
   "max_model_len": N, "gpu_memory_utilization": 0.3, "runs": [{"name": ..., "speculative_config": null
   | {...}}, ...]}} greedy generation with and without a drafter, each run in an engine of its own that
   is shut down after it, with vLLM's spec-decode counters (the export check, export/verify.py).
-  Optional: "enable_prefix_caching": false (a target with recurrent layers on a CPU build, whose
-  prefix-caching "align" path for speculative decoding is a Triton kernel), "warmup": N (untimed
-  generations first) and "load": [{"concurrency": C, "prompts": [[ids],
-  ...]}, ...] (instead of "prompts": a closed loop per level, C requests in flight until the level's
-  prompts are done, as "levels": [{"concurrency", "outputs", "seconds", "tokens", "steps", "mean_batch",
-  "tpot_s": [per request], "metrics"}]), the load sweep (export/sweep.py); "sequential": true (batch
-  size 1: one prompt at a time, each timed and counted, as "per_prompt": [{"seconds", "tokens",
-  "metrics"}]), which only the benchmarks' per-prompt timings send. Reply: {"ok": true,
-  "vllm_version": ..., "runs": {name: {"outputs": [[ids]], "finish_reasons": [...], "metrics":
-  {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position"}, "seconds": {...},
-  "engine_settings": {what the engine resolved: runner, max_num_seqs and, when speculating, method,
-  num_speculative_tokens, the batch-size schedule, draft_sample_method, rejection_sample_method}}}}.
+  Optional: "enable_prefix_caching": false (a target with recurrent layers on a CPU build, whose prefix-caching
+  "align" path for speculative decoding is a Triton kernel), "disable_hybrid_kv_cache_manager": true (a folder
+  that says so: formats/repo.py's EngineRepo.engine_arguments), "warmup": N (untimed generations first) and
+  "load": [{"concurrency": C, "prompts": [[ids], ...]}, ...] (instead of "prompts": a closed loop per level, C
+  requests in flight until the level's prompts are done, as "levels": [{"concurrency", "outputs", "seconds",
+  "tokens", "steps", "mean_batch", "tpot_s": [per request], "metrics"}]), the load sweep (export/sweep.py);
+  "sequential": true (batch size 1: one prompt at a time, each timed and counted, as "per_prompt": [{"seconds",
+  "tokens", "metrics"}]), which only the benchmarks' per-prompt timings send. Reply: {"ok": true,
+  "vllm_version": ..., "runs": {name: {"outputs": [[ids]], "finish_reasons": [...], "metrics": {"num_drafts",
+  "num_draft_tokens", "num_accepted_tokens", "accepted_per_position"}, "seconds": {...}, "engine_settings": {what
+  the engine resolved: runner, max_num_seqs and, when speculating, method, num_speculative_tokens, the batch-size
+  schedule, draft_sample_method, rejection_sample_method}}}}.
 
 A failed request is answered {"ok": false, "error": ..., "traceback": ..., "error_lines": [...]} and
 ends the worker with exit code 1: an engine that failed may hold half-freed state, so the next request
@@ -176,8 +176,8 @@ def measured_run(request, speculative_config):
         "disable_log_stats": False,  # LLM.get_metrics() needs the stat loggers
         "trust_remote_code": bool(request.get("trust_remote_code", False)),
     }
-    if "enable_prefix_caching" in request:
-        kwargs["enable_prefix_caching"] = bool(request["enable_prefix_caching"])
+    for switch in ("enable_prefix_caching", "disable_hybrid_kv_cache_manager"):
+        kwargs |= {switch: bool(request[switch])} if switch in request else {}
     if request.get("language_model_only"):
         kwargs["language_model_only"] = True
     if "hf_overrides" in request:
