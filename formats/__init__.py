@@ -23,7 +23,13 @@ import torch
 from draftsmith.engines import VLLM_FORMATS
 from draftsmith.errors import UserError
 from draftsmith.formats.repo import EngineRepo, TargetInfo, check_vllm_path, image_token_overrides
-from draftsmith.formats.versions import EVERY_BUILD, Releases, require_language_model_shares, unloadable_target
+from draftsmith.formats.versions import (
+    EVERY_BUILD,
+    Releases,
+    require_language_model_shares,
+    unloadable_target,
+    unset_count_overrides,
+)
 from draftsmith.heads.base import Drafter
 
 
@@ -116,6 +122,8 @@ class Exporter:
             repo.method = self.vllm_method
         if engine == "vllm" and self.vllm_reads_image_token:
             repo.target_overrides = image_token_overrides(source.target.shape.name_or_path) | repo.target_overrides
+        if engine == "vllm":
+            repo.target_overrides = unset_count_overrides(source.target.config) | repo.target_overrides
         return repo
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:

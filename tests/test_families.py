@@ -784,7 +784,8 @@ def test_no_target_family_is_named_in_product_code():
     DRAFT_LAYER_FAMILIES), in the table of targets vLLM cannot capture features from
     (formats/repo.py's VLLM_NO_STATE_CAPTURE), of the architectures whose vLLM module imports torchvision
     (formats/versions.py's VLLM_IMPORTS_TORCHVISION), of those whose vLLM language model has no `.model`
-    (VLLM_BARE_LANGUAGE_MODEL) or in the tables of how vLLM serves each architecture's own
+    (VLLM_BARE_LANGUAGE_MODEL), of those it builds with its Transformers backend (VLLM_TRANSFORMERS_BACKEND) or in the
+    tables of how vLLM serves each architecture's own
     MTP layer (heads/mtp_layouts.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names, the family
     a layout's block is built from where vLLM builds another's, and SEPARATE_MODEL: an architecture whose MTP is a
     model of its own; formats/mtp_sglang.py's SGLANG_MODELS, SGLang's model of each, and formats/mtp_sglang_reads.py's
@@ -804,7 +805,11 @@ def test_no_target_family_is_named_in_product_code():
     from draftsmith.formats.mtp_sglang import SGLANG_MODELS
     from draftsmith.formats.mtp_sglang_reads import DOTS3_RELEASE_MODEL_TYPE, NEMOTRON_H_KINDS
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
-    from draftsmith.formats.versions import VLLM_BARE_LANGUAGE_MODEL, VLLM_IMPORTS_TORCHVISION
+    from draftsmith.formats.versions import (
+        VLLM_BARE_LANGUAGE_MODEL,
+        VLLM_IMPORTS_TORCHVISION,
+        VLLM_TRANSFORMERS_BACKEND,
+    )
     from draftsmith.heads.gemma4_assistant_config import ASSISTANTS, AssistantConfig
     from draftsmith.heads.mtp_layouts import LAYOUTS, SEPARATE_MODEL, UNSERVED
     from draftsmith.text_release import RELEASE_CONSTANTS
@@ -819,7 +824,7 @@ def test_no_target_family_is_named_in_product_code():
         "formats/mtp_sglang.py": set(SGLANG_MODELS),
         "formats/mtp_sglang_reads.py": {*NEMOTRON_H_KINDS, DOTS3_RELEASE_MODEL_TYPE},
         "formats/gemma4_assistant.py": {*NATIVE_CLASSES, *NATIVE_CLASSES.values(), *SGLANG_TARGETS},
-        "formats/versions.py": {*VLLM_IMPORTS_TORCHVISION, *VLLM_BARE_LANGUAGE_MODEL},
+        "formats/versions.py": {*VLLM_IMPORTS_TORCHVISION, *VLLM_BARE_LANGUAGE_MODEL, *VLLM_TRANSFORMERS_BACKEND},
         "heads/mtp_layouts.py": {
             *LAYOUTS,
             *UNSERVED,

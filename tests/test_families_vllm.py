@@ -133,6 +133,23 @@ def test_the_model_types_vllm_serves_one_key_more_than_their_window_are_vllms_ow
     assert found == set(VLLM_ONE_MORE_KEY)
 
 
+def test_the_architectures_vllm_builds_with_its_transformers_backend_are_its_registrys(vllm_python):
+    """formats/versions.py's VLLM_TRANSFORMERS_BACKEND is every text-generation architecture the installed vLLM's
+    registry maps to its Transformers backend's causal LM classes (`_TRANSFORMERS_SUPPORTED_MODELS`), and none
+    other."""
+    import ast
+    from pathlib import Path
+
+    from draftsmith.formats.versions import VLLM_TRANSFORMERS_BACKEND
+
+    registry = Path(site_packages(vllm_python)) / "vllm" / "model_executor" / "models" / "registry.py"
+    (supported,) = [node.value for node in ast.parse(registry.read_text()).body if isinstance(node, ast.Assign)
+                    and getattr(node.targets[0], "id", "") == "_TRANSFORMERS_SUPPORTED_MODELS"]  # fmt: skip
+    causal = {"TransformersForCausalLM", "TransformersMoEForCausalLM"}
+    built = {name for name, (_, cls) in ast.literal_eval(supported).items() if cls in causal}
+    assert "MellumForCausalLM" in built and built == set(VLLM_TRANSFORMERS_BACKEND)
+
+
 # vLLM's own answer, per text-generation architecture its environment loads: whether the model class has the EAGLE-3
 # interface (supports_eagle3), which the engine's start requires of a target whose states a drafter reads
 EAGLE3_INTERFACES = """

@@ -204,3 +204,27 @@ def test_a_target_whose_config_json_no_vllm_reads_is_refused_whatever_classes_vl
     assert "its model type 'param2moe'" in unloadable_target(param2, param2)
     assert unloadable_target(param2, {**param2, "auto_map": {"AutoConfig": "c.C"}}, trust_remote_code=True) is None
     assert unloadable_target(param2, {"architectures": param2["architectures"]}) is None  # no type: guessed by name
+
+
+@pytest.mark.parametrize("model_type, told", [("mellum", {"num_nextn_predict_layers": 0}), ("ernie4_5_moe", None)])
+def test_a_target_vllms_transformers_backend_builds_is_told_its_unset_mtp_count_as_none(model_type, told, tmp_path,
+                                                                                       capsys):  # fmt: skip
+    """vLLM 0.32's Transformers backend adds a config's count of MTP layers to its layer count, a None included
+    (Mellum's class leaves it None where a release has no MTP layer: vLLM stopped at the model's start, "unsupported
+    operand type(s) for +: 'int' and 'NoneType'"): the export tells vLLM that count is 0 (the folder's
+    `target_overrides`, passed to its check and in its command's `--hf-overrides`). ERNIE-4.5-MoE's count is None too,
+    and vLLM builds it with a class of its own: told nothing."""
+    from draftsmith.random_target import write_random_target
+    from draftsmith.target import load_target
+    from tests.helpers import run_entry_in_process, save_drafter
+
+    folder = write_random_target(model_type, tmp_path / "target")
+    assert json.loads((folder / "config.json").read_text())["num_nextn_predict_layers"] is None
+    checkpoint = save_drafter("medusa", load_target(str(folder)), tmp_path / "ckpt", target_name=str(folder))
+    export = ["-m", "export", "recipe=medusa", f"target.name_or_path={folder}", f"checkpoint={checkpoint}",
+              "export.engines=[vllm]", f"output_dir={tmp_path / 'run'}",
+              f"export.output={tmp_path / 'export'}"]  # fmt: skip
+    assert run_entry_in_process(export, capsys).returncode == 0
+    served = tmp_path / "export" / "vllm"
+    assert json.loads((served / "draftsmith_export.json").read_text())["target_overrides"] == told
+    assert ("--hf-overrides '{\"num_nextn_predict_layers\": 0}'" in (served / "README.md").read_text()) is bool(told)

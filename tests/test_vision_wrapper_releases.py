@@ -131,7 +131,7 @@ def test_every_proposer_but_medusas_is_told_a_wrappers_image_token_under_the_nam
     write_config(tmp_path / "text", {"model_type": "text", "image_token_id": 7})
     told_wrapper = {"image_token_index": 7} if told else {}
     for folder, expected in ((tmp_path / "wrapper", told_wrapper), (tmp_path / "text", {})):
-        target = SimpleNamespace(shape=SimpleNamespace(name_or_path=str(folder)))
+        target = SimpleNamespace(shape=SimpleNamespace(name_or_path=str(folder)), config={})
         source = SimpleNamespace(drafter=SimpleNamespace(TITLE=kind), target=target, vllm_format=None)
         assert exporter.build("vllm", source, 3, tmp_path / "export" / "vllm").target_overrides == {**expected, **own}
 
