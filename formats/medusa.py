@@ -16,18 +16,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from draftsmith.errors import UserError
+from draftsmith.files import write_json
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, copy_tokenizer
 from draftsmith.formats.versions import Releases
 from draftsmith.heads import drafter_class
 from draftsmith.heads.lora import ADAPTER_DIR
 from draftsmith.target import TargetShape, load_target
+from draftsmith.vllm_window import as_released
 
 HEADS_DIR, TARGET_DIR = "medusa", "target"  # a Medusa-2 folder's two models
 
@@ -177,4 +180,8 @@ def write_merged_target(source: Source, directory: Path) -> None:
         )
     merged = PeftModel.from_pretrained(copy.deepcopy(source.target_model), adapter).merge_and_unload()
     merged.save_pretrained(directory)
+    # its config.json as the release states it, which vLLM reads: the loaded config attends the window vLLM serves,
+    # which vLLM derives again from the release's (draftsmith.vllm_window)
+    written = directory / "config.json"
+    write_json(written, as_released(json.loads(written.read_text())), sort_keys=True)
     copy_tokenizer(source.target, directory)

@@ -151,3 +151,18 @@ def test_only_a_draft_model_with_sliding_layers_vllm_widens_is_served_with_the_h
     assert widened_window_arguments({"model_type": "cohere2", **sliding}) == {"disable_hybrid_kv_cache_manager": True}
     assert widened_window_arguments({"model_type": "cohere2", **sliding, "layer_types": ["full_attention"] * 2}) == {}
     assert widened_window_arguments({"model_type": "gemma3_text", **sliding}) == {}
+
+
+def test_medusa2s_merged_cohere2_target_states_the_releases_window(tmp_path, capsys):
+    """Medusa-2's folder ships the target with its adapters merged, saved from the loaded target, which attends one key
+    more than the release's window: its config.json states the release's window, which vLLM widens itself."""
+    from tests.helpers import run_entry_in_process, save_drafter
+
+    folder = write_random_target("cohere2", tmp_path / "target", sliding_window=WINDOW)
+    checkpoint = save_drafter("medusa2", load_target(str(folder)), tmp_path / "ckpt", target_name=str(folder))
+    export = ["-m", "export", "recipe=medusa2", f"target.name_or_path={folder}", f"checkpoint={checkpoint}",
+              "export.engines=[vllm]", f"output_dir={tmp_path / 'run'}",
+              f"export.output={tmp_path / 'export'}"]  # fmt: skip
+    assert run_entry_in_process(export, capsys).returncode == 0
+    merged = json.loads((tmp_path / "export" / "vllm" / "target" / "config.json").read_text())
+    assert merged["sliding_window"] == WINDOW and "sliding_window_size" not in merged
