@@ -26,6 +26,9 @@ RELEASE_CONSTANTS = {
 # for transformers' (release name -> transformers field; vLLM's defaults otherwise: 8 experts a token, 8 groups, the
 # shared expert 512 wide): Ling-3.0's
 RELEASE_FORMS = {
+    # Phi-3.5-MoE's releases name vLLM's own class; transformers' name (PhimoeForCausalLM) vLLM builds with its
+    # Transformers backend, whose CPU build fails on its routing (an AssertionError at the first forward, measured)
+    "phimoe": ("PhiMoEForCausalLM", {}),
     "bailing_hybrid": (
         "BailingMoeV3ForCausalLM",
         {

@@ -794,7 +794,8 @@ def test_no_target_family_is_named_in_product_code():
     one's assistant model type
     (heads/gemma4_assistant_config.py's ASSISTANTS) and the classes vLLM must run such a target as
     (formats/gemma4_assistant.py's NATIVE_CLASSES), or in the table of the fields a text-only release sets that no
-    transformers field tells (draftsmith/text_release.py's RELEASE_CONSTANTS), or in the table of the model types
+    transformers field tells (draftsmith/text_release.py's RELEASE_CONSTANTS) and of the model types whose releases
+    name another architecture (RELEASE_FORMS), or in the table of the model types
     vLLM serves one key more than their sliding window (draftsmith/vllm_window.py's VLLM_ONE_MORE_KEY), never in a
     branch of its own."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -812,11 +813,11 @@ def test_no_target_family_is_named_in_product_code():
     )
     from draftsmith.heads.gemma4_assistant_config import ASSISTANTS, AssistantConfig
     from draftsmith.heads.mtp_layouts import LAYOUTS, SEPARATE_MODEL, UNSERVED
-    from draftsmith.text_release import RELEASE_CONSTANTS
+    from draftsmith.text_release import RELEASE_CONSTANTS, RELEASE_FORMS
     from draftsmith.vllm_window import VLLM_ONE_MORE_KEY
 
     tables = {
-        "draftsmith/text_release.py": set(RELEASE_CONSTANTS),
+        "draftsmith/text_release.py": {*RELEASE_CONSTANTS, *RELEASE_FORMS},
         "draftsmith/vllm_window.py": set(VLLM_ONE_MORE_KEY),
         "heads/gemma4_assistant.py": {AssistantConfig.type},  # the kind's name, the assistant's model type
         "heads/gemma4_assistant_config.py": {*ASSISTANTS, *ASSISTANTS.values()},

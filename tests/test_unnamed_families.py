@@ -228,3 +228,15 @@ def test_a_target_vllms_transformers_backend_builds_is_told_its_unset_mtp_count_
     served = tmp_path / "export" / "vllm"
     assert json.loads((served / "draftsmith_export.json").read_text())["target_overrides"] == told
     assert ("--hf-overrides '{\"num_nextn_predict_layers\": 0}'" in (served / "README.md").read_text()) is bool(told)
+
+
+def test_a_phi_3_5_moe_target_names_the_architecture_its_releases_name(tmp_path):
+    """Phi-3.5-MoE's releases name vLLM's own class (PhiMoEForCausalLM), not transformers' (PhimoeForCausalLM), which
+    vLLM builds with its Transformers backend instead, whose CPU build fails on the routing: the tiny target is
+    written as a release (draftsmith.text_release's RELEASE_FORMS), and transformers still loads it as its own."""
+    from draftsmith.random_target import write_random_target
+    from draftsmith.target import load_target
+
+    folder = write_random_target("phimoe", tmp_path / "target")
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["PhiMoEForCausalLM"]
+    assert type(load_target(str(folder))).__name__ == "PhimoeForCausalLM"
