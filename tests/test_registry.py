@@ -293,6 +293,7 @@ NOT_KIND_WORDS = {
     ("eval/trees.py", "sliding_window"),
     ("draftsmith/target_loading.py", "mtp"),
     ("draftsmith/target_loading.py", "sliding_window"),  # the target's window, served as vLLM serves it
+    ("draftsmith/vllm_window.py", "sliding_window"),  # likewise: the window vLLM serves a model's layers with
 }
 RENAME = "or rename your kind or setting: the name is already used by shared code"
 
