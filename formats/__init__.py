@@ -64,12 +64,13 @@ class Exporter:
     # whether vLLM's proposer for it reads a multimodal target's image token at load (image_token_overrides): every
     # proposer built on vLLM 0.32's shared one does, Medusa's reads nothing of the target's
     vllm_reads_image_token: ClassVar[bool] = True
-    # the vLLM builds whose proposer for it shares the target's input embedding through its language model's `.model`
-    # (formats/versions.py VLLM_BARE_LANGUAGE_MODEL): EVERY_BUILD, the CPU build (CPU_BUILD) or None. Every V1 model
-    # runner proposer built on the shared one does (vllm/v1/spec_decode: eagle.py, dflash.py, llm_base_proposer.py),
-    # the only runner the CPU build runs (it has no Triton); GPU builds run V2 by default, whose EAGLE, MTP and DSpark
-    # loaders read `.model` too (vllm/v1/worker/gpu/spec_decode: eagle/utils.py, dspark/utils.py; P-EAGLE falls back
-    # to V1) while its DFlash loader takes the decoder itself (dflash/utils.py: source read)
+    # the vLLM builds whose proposer for it shares the target's input embedding through its language model's
+    # `.model` (formats/versions.py VLLM_BARE_LANGUAGE_MODEL and VLLM_BACKEND_EMBEDDING_ELSEWHERE): EVERY_BUILD, the
+    # CPU build (CPU_BUILD) or None. Every V1 model runner proposer built on the shared one does
+    # (vllm/v1/spec_decode: eagle.py, dflash.py, llm_base_proposer.py), the only runner the CPU build runs (it has
+    # no Triton); GPU builds run V2 by default, whose EAGLE, MTP and DSpark loaders read `.model` too
+    # (vllm/v1/worker/gpu/spec_decode: eagle/utils.py, dspark/utils.py; P-EAGLE falls back to V1) while its DFlash
+    # loader takes the decoder itself (dflash/utils.py: source read)
     vllm_shares_embedding: ClassVar[Optional[str]] = EVERY_BUILD
     # whether its vLLM folder's config.json is a target family's own causal-LM config, which vLLM's speculative config
     # maps to the family's MTP model where the family ships one (formats/versions.py

@@ -181,6 +181,10 @@ VLLM_TRANSFORMERS_BACKEND = (
     "MellumForCausalLM", "NanbeigeForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
     "PhiForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "Starcoder2ForCausalLM", "VaultGemmaForCausalLM",
 )  # fmt: skip
+# of those, the ones whose transformers model (the backend's `.model`) names its input embedding otherwise than the
+# proposers sharing it look for (`embed_tokens`, `embedding`: measured on GPT-NeoX, "Target model does not have
+# 'embed_tokens' or 'embedding' attribute" at start); tests/test_unnamed_families.py keeps it equal to transformers'
+VLLM_BACKEND_EMBEDDING_ELSEWHERE = {"GPTNeoXForCausalLM": "embed_in", "GPTBigCodeForCausalLM": "wte"}
 # the fields that backend reads a target's count of MTP layers from, the first one the config has (transformers/base.py
 # `_recursive_replace`: it adds that count to the layer count, a None included)
 BACKEND_MTP_COUNTS = ("n_predict", "num_nextn_predict_layers", "mtp_num_hidden_layers")
@@ -282,10 +286,19 @@ def bare_language_model_limit(config: dict, method: str, shares: Optional[str], 
     """Why vLLM 0.32 cannot serve a drafter served as `method`, whose proposer shares the target's input embedding in
     the builds `shares` names (its exporter's `vllm_shares_embedding`), for the target whose HF config this is, in
     `build` (EVERY_BUILD or CPU_BUILD; None: it can there): the target's language model lacks the `.model` it is
-    shared through (VLLM_BARE_LANGUAGE_MODEL)."""
-    bare = [name for name in config.get("architectures") or [] if name in VLLM_BARE_LANGUAGE_MODEL]
-    if not bare or shares != build:
+    shared through (VLLM_BARE_LANGUAGE_MODEL), or names the embedding otherwise (VLLM_BACKEND_EMBEDDING_ELSEWHERE)."""
+    names = config.get("architectures") or []
+    bare = [name for name in names if name in VLLM_BARE_LANGUAGE_MODEL]
+    elsewhere = [name for name in names if name in VLLM_BACKEND_EMBEDDING_ELSEWHERE]
+    if not (bare or elsewhere) or shares != build:
         return None
+    if elsewhere:
+        return (
+            f"its {method} proposer shares the target's input embedding as its language model's `.model.embed_tokens` "
+            f"(or `.embedding`), and vLLM builds {elsewhere[0]} with its Transformers backend as transformers' model, "
+            f"whose embedding is `{VLLM_BACKEND_EMBEDDING_ELSEWHERE[elsewhere[0]]}` (AttributeError: Target model does "
+            "not have 'embed_tokens' or 'embedding' attribute, at the engine's start)"
+        )
     return (
         f"its {method} proposer shares the target's input embedding through its language model's `.model`, and vLLM's "
         f"{bare[0]} language model is the decoder itself (AttributeError: Target model does not have 'model' "

@@ -807,6 +807,7 @@ def test_no_target_family_is_named_in_product_code():
     from draftsmith.formats.mtp_sglang_reads import DOTS3_RELEASE_MODEL_TYPE, NEMOTRON_H_KINDS
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
     from draftsmith.formats.versions import (
+        VLLM_BACKEND_EMBEDDING_ELSEWHERE,
         VLLM_BARE_LANGUAGE_MODEL,
         VLLM_IMPORTS_TORCHVISION,
         VLLM_TRANSFORMERS_BACKEND,
@@ -825,7 +826,12 @@ def test_no_target_family_is_named_in_product_code():
         "formats/mtp_sglang.py": set(SGLANG_MODELS),
         "formats/mtp_sglang_reads.py": {*NEMOTRON_H_KINDS, DOTS3_RELEASE_MODEL_TYPE},
         "formats/gemma4_assistant.py": {*NATIVE_CLASSES, *NATIVE_CLASSES.values(), *SGLANG_TARGETS},
-        "formats/versions.py": {*VLLM_IMPORTS_TORCHVISION, *VLLM_BARE_LANGUAGE_MODEL, *VLLM_TRANSFORMERS_BACKEND},
+        "formats/versions.py": {
+            *VLLM_IMPORTS_TORCHVISION,
+            *VLLM_BARE_LANGUAGE_MODEL,
+            *VLLM_TRANSFORMERS_BACKEND,
+            *VLLM_BACKEND_EMBEDDING_ELSEWHERE,
+        },
         "heads/mtp_layouts.py": {
             *LAYOUTS,
             *UNSERVED,

@@ -240,3 +240,50 @@ def test_a_phi_3_5_moe_target_names_the_architecture_its_releases_name(tmp_path)
     folder = write_random_target("phimoe", tmp_path / "target")
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["PhiMoEForCausalLM"]
     assert type(load_target(str(folder))).__name__ == "PhimoeForCausalLM"
+
+
+def test_the_backend_architectures_whose_embedding_the_proposers_miss_are_transformers_own():
+    """formats/versions.py's VLLM_BACKEND_EMBEDDING_ELSEWHERE is every architecture of VLLM_TRANSFORMERS_BACKEND whose
+    transformers model (what vLLM's Transformers backend builds as the language model's `.model`) has neither
+    `embed_tokens` nor `embedding`, each with the name it has: vLLM's proposers that share the target's embedding
+    stop at the engine's start on such a target."""
+    from transformers import AutoModel
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from draftsmith.formats.versions import VLLM_BACKEND_EMBEDDING_ELSEWHERE, VLLM_TRANSFORMERS_BACKEND
+    from draftsmith.random_target import tiny_target_config
+
+    model_types = {architecture: model_type for model_type, architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+    elsewhere = {}
+    for architecture in VLLM_TRANSFORMERS_BACKEND:
+        if architecture in model_types:  # Nanbeige's model type is not transformers'
+            with torch.device("meta"):
+                model = AutoModel.from_config(tiny_target_config(model_types[architecture]))
+            if not hasattr(model, "embed_tokens") and not hasattr(model, "embedding"):
+                embedding = model.get_input_embeddings()
+                elsewhere[architecture] = next(name for name, child in model.named_children() if child is embedding)
+    assert elsewhere == VLLM_BACKEND_EMBEDDING_ELSEWHERE
+
+
+def test_a_gpt_neox_targets_drafter_sharing_its_embedding_is_refused_before_any_engine_starts(tmp_path, capsys):
+    """vLLM's EAGLE-3 proposer shares the target's embedding as `.model.embed_tokens`, which GPT-NeoX's transformers
+    model, as vLLM's Transformers backend builds it, names `embed_in` (the export's check stopped at the engine's start:
+    "Target model does not have 'embed_tokens' or 'embedding' attribute"): refused in one line, exit 2, nothing
+    written; Medusa, which shares nothing, is exported."""
+    from draftsmith.random_target import write_random_target
+    from draftsmith.target import load_target
+    from tests.helpers import assert_one_line_error, run_entry_in_process, save_drafter
+
+    folder = write_random_target("gpt_neox", tmp_path / "target")
+    target = load_target(str(folder))
+    for kind, recipe in (("eagle3", "eagle3"), ("medusa", "medusa")):
+        checkpoint = save_drafter(kind, target, tmp_path / kind, target_name=str(folder))
+        export = ["-m", "export", f"recipe={recipe}", f"target.name_or_path={folder}", f"checkpoint={checkpoint}",
+                  "export.engines=[vllm]", f"output_dir={tmp_path / 'run'}",
+                  f"export.output={tmp_path / 'export' / kind}"]  # fmt: skip
+        done = run_entry_in_process(export, capsys)
+        if kind == "eagle3":
+            line = assert_one_line_error(done, 2, "cannot serve this drafter for this target in any build")
+            assert "`embed_in`" in line and not (tmp_path / "export" / kind).exists()
+        else:
+            assert done.returncode == 0, done.stderr[-2000:]
