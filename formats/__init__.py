@@ -119,12 +119,10 @@ class Exporter:
         if engine == "vllm" and self.vllm_method_from_name:
             check_vllm_path(output, source.drafter.TITLE)
         repo = getattr(self, engine)(source, gamma, output)
-        if engine == "vllm":  # one name for it: what the checks ask of the engine is what its folder is served as
-            repo.method = self.vllm_method
-        if engine == "vllm" and self.vllm_reads_image_token:
-            repo.target_overrides = image_token_overrides(source.target.shape.name_or_path) | repo.target_overrides
         if engine == "vllm":
-            repo.target_overrides = unset_count_overrides(source.target.config) | repo.target_overrides
+            repo.method = self.vllm_method  # one name for it: what the checks ask of the engine is what it serves
+            told = image_token_overrides(source.target.shape.name_or_path) if self.vllm_reads_image_token else {}
+            repo.target_overrides = told | unset_count_overrides(source.target.config) | repo.target_overrides
         return repo
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:

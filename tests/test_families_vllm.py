@@ -96,12 +96,23 @@ def test_a_cohere2_draft_model_is_served_by_vllm_with_the_window_draftsmith_runs
     assert "--disable-hybrid-kv-cache-manager" in (folder / "README.md").read_text()
 
 
+def registry_table(vllm_python: str, name: str) -> dict:
+    """A module-level dict of the installed vLLM's model registry (architecture -> (module, class)), read from its
+    source without importing vLLM."""
+    import ast
+    from pathlib import Path
+
+    registry = Path(site_packages(vllm_python)) / "vllm" / "model_executor" / "models" / "registry.py"
+    (table,) = [node.value for node in ast.parse(registry.read_text()).body if isinstance(node, ast.Assign)
+                and getattr(node.targets[0], "id", "") == name]  # fmt: skip
+    return ast.literal_eval(table)
+
+
 def test_the_model_types_vllm_serves_one_key_more_than_their_window_are_vllms_own(vllm_python):
     """draftsmith.vllm_window's VLLM_ONE_MORE_KEY is every model type whose causal LM the installed vLLM builds with
     a module passing `config.sliding_window + 1` to its sliding layers (read from the module's source, as the
     registry names it), less the model types with no sliding window (Cohere v1, whose class vLLM's module leaves
     unwidened), and none other."""
-    import ast
     import re
     from pathlib import Path
 
@@ -118,11 +129,8 @@ def test_the_model_types_vllm_serves_one_key_more_than_their_window_are_vllms_ow
         files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
         return "".join(file.read_text() for file in files)
 
-    registry = ast.parse((site / "vllm" / "model_executor" / "models" / "registry.py").read_text())
-    (text_models,) = [node.value for node in registry.body if isinstance(node, ast.Assign)
-                      and getattr(node.targets[0], "id", "") == "_TEXT_GENERATION_MODELS"]  # fmt: skip
     widening = {
-        architecture for architecture, (module, _) in ast.literal_eval(text_models).items()
+        architecture for architecture, (module, _) in registry_table(vllm_python, "_TEXT_GENERATION_MODELS").items()
         if re.search(r"config\.sliding_window \+ 1", source(module))
     }  # fmt: skip
     assert "Cohere2ForCausalLM" in widening
@@ -137,16 +145,11 @@ def test_the_architectures_vllm_builds_with_its_transformers_backend_are_its_reg
     """formats/versions.py's VLLM_TRANSFORMERS_BACKEND is every text-generation architecture the installed vLLM's
     registry maps to its Transformers backend's causal LM classes (`_TRANSFORMERS_SUPPORTED_MODELS`), and none
     other."""
-    import ast
-    from pathlib import Path
-
     from draftsmith.formats.versions import VLLM_TRANSFORMERS_BACKEND
 
-    registry = Path(site_packages(vllm_python)) / "vllm" / "model_executor" / "models" / "registry.py"
-    (supported,) = [node.value for node in ast.parse(registry.read_text()).body if isinstance(node, ast.Assign)
-                    and getattr(node.targets[0], "id", "") == "_TRANSFORMERS_SUPPORTED_MODELS"]  # fmt: skip
     causal = {"TransformersForCausalLM", "TransformersMoEForCausalLM"}
-    built = {name for name, (_, cls) in ast.literal_eval(supported).items() if cls in causal}
+    supported = registry_table(vllm_python, "_TRANSFORMERS_SUPPORTED_MODELS")
+    built = {name for name, (_, cls) in supported.items() if cls in causal}
     assert "MellumForCausalLM" in built and built == set(VLLM_TRANSFORMERS_BACKEND)
 
 
