@@ -46,6 +46,7 @@ from draftsmith.families import text_config
 from draftsmith.files import publish_folder, staging
 from draftsmith.outputs import check_output_dir
 from draftsmith.text_release import (
+    RELEASE_WEIGHTS,
     is_a_text_release,
     release_architecture,
     release_config,
@@ -134,10 +135,12 @@ def built_as(config) -> tuple[bool, bool]:
 
 def tiny_target_config(model_type: str, sliding_window: Optional[int] = 48, released: bool = False, **shape: Any):
     """The config write_random_target builds its target from (its arguments'), refused as build_model would refuse
-    it, before any weight: a command that writes targets of many families checks them all first with it."""
+    it, before any weight: a command that writes targets of many families checks them all first with it. A model type
+    whose releases build weights its class's default leaves out is built with them (RELEASE_WEIGHTS; `shape` wins)."""
     demo = json.loads((demo_tokenizer_dir() / "config.json").read_text())
     special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     built = release_config if is_a_text_release(model_type) else build_config
+    shape = RELEASE_WEIGHTS.get(model_type, {}) | shape
     config = built(model_type, demo["vocab_size"], special, sliding_window=sliding_window, **shape)
     config = tiny_wrapper_config(model_type, config, released) or config
     built_as(config)

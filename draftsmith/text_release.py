@@ -38,6 +38,10 @@ RELEASE_FORMS = {
         },
     ),
 }
+# A model type's release values of transformers fields that build weights its class's default leaves out, where vLLM's
+# model always builds them: Phi-3.5-MoE's attention and lm_head biases (vLLM 0.32's PhiMoE builds them whatever the
+# config says, and serves a checkpoint without them with the biases unset: token 0 at every step, measured)
+RELEASE_WEIGHTS = {"phimoe": {"attention_bias": True, "lm_head_bias": True}}
 # what a release says of a router with a score-correction bias (draftsmith.declared_fields.declare_as_released's rule:
 # it scores the experts by a sigmoid, and picks them with the bias)
 BIASED_ROUTER = {"moe_router_activation": "sigmoid", "use_moe_router_bias": True}
@@ -163,20 +167,26 @@ def text_release_fields(config, model) -> dict[str, Any]:
     return {name: value for name, value in new.items() if reads_back_alike(config, {name: value})}
 
 
-def write_release_form(config, directory: Path) -> None:
-    """A target saved in `directory` (config.json as transformers wrote it from `config`) named and described as its
-    model type's releases are where they name another architecture (RELEASE_FORMS): that architecture, the fields
-    under vLLM's names and RELEASE_CONSTANTS', each kept only where transformers reads the config back the same
-    (draftsmith.declared_fields.reads_back_alike); nothing for another model type."""
+def release_form(config, written: dict[str, Any]) -> dict[str, Any]:
+    """`written` (a config.json's fields, of `config`) named and described as `config`'s model type's releases are where
+    they name another architecture (RELEASE_FORMS): that architecture, the fields under vLLM's names and
+    RELEASE_CONSTANTS', each kept only where transformers reads the config back the same
+    (draftsmith.declared_fields.reads_back_alike); `written` itself for another model type."""
     from draftsmith.declared_fields import reads_back_alike
 
     if config.model_type not in RELEASE_FORMS:
-        return
+        return written
     architecture, names = RELEASE_FORMS[config.model_type]
     fields = config.to_dict()
     added = {name: fields[field] for name, field in names.items()} | RELEASE_CONSTANTS.get(config.model_type, {})
+    kept = {name: value for name, value in added.items() if reads_back_alike(config, {name: value})}
+    return written | kept | {"architectures": [architecture]}
+
+
+def write_release_form(config, directory: Path) -> None:
+    """A target saved in `directory` (config.json as transformers wrote it from `config`) in its release's form
+    (release_form), where its model type's releases name another architecture; untouched for another model type."""
+    if config.model_type not in RELEASE_FORMS:
+        return
     path = directory / "config.json"
-    written = json.loads(path.read_text())
-    written |= {name: value for name, value in added.items() if reads_back_alike(config, {name: value})}
-    written["architectures"] = [architecture]
-    path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(release_form(config, json.loads(path.read_text())), indent=2, sort_keys=True) + "\n")

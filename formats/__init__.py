@@ -28,8 +28,8 @@ from draftsmith.formats.versions import (
     Releases,
     require_language_model_shares,
     unloadable_target,
-    unset_count_overrides,
 )
+from draftsmith.formats.vllm_backend import backend_overrides
 from draftsmith.heads.base import Drafter
 
 
@@ -64,11 +64,11 @@ class Exporter:
     # whether vLLM's proposer for it reads a multimodal target's image token at load (image_token_overrides): every
     # proposer built on vLLM 0.32's shared one does, Medusa's reads nothing of the target's
     vllm_reads_image_token: ClassVar[bool] = True
-    # the vLLM builds whose proposer for it shares the target's input embedding through its language model's
-    # `.model` (formats/versions.py VLLM_BARE_LANGUAGE_MODEL and VLLM_BACKEND_EMBEDDING_ELSEWHERE): EVERY_BUILD, the
-    # CPU build (CPU_BUILD) or None. Every V1 model runner proposer built on the shared one does
-    # (vllm/v1/spec_decode: eagle.py, dflash.py, llm_base_proposer.py), the only runner the CPU build runs (it has
-    # no Triton); GPU builds run V2 by default, whose EAGLE, MTP and DSpark loaders read `.model` too
+    # the vLLM builds whose proposer for it shares the target's input embedding through its language model's `.model`
+    # (formats/versions.py VLLM_BARE_LANGUAGE_MODEL, formats/vllm_backend.py VLLM_BACKEND_EMBEDDING_ELSEWHERE):
+    # EVERY_BUILD, the CPU build (CPU_BUILD) or None. Every V1 model runner proposer built on the shared one does
+    # (vllm/v1/spec_decode: eagle.py, dflash.py, llm_base_proposer.py), the only runner the CPU build runs (it has no
+    # Triton); GPU builds run V2 by default, whose EAGLE, MTP and DSpark loaders read `.model` too
     # (vllm/v1/worker/gpu/spec_decode: eagle/utils.py, dspark/utils.py; P-EAGLE falls back to V1) while its DFlash
     # loader takes the decoder itself (dflash/utils.py: source read)
     vllm_shares_embedding: ClassVar[Optional[str]] = EVERY_BUILD
@@ -122,7 +122,7 @@ class Exporter:
         if engine == "vllm":
             repo.method = self.vllm_method  # one name for it: what the checks ask of the engine is what it serves
             told = image_token_overrides(source.target.shape.name_or_path) if self.vllm_reads_image_token else {}
-            repo.target_overrides = told | unset_count_overrides(source.target.config) | repo.target_overrides
+            repo.target_overrides = told | backend_overrides(source.target.config) | repo.target_overrides
         return repo
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:

@@ -34,7 +34,9 @@ from draftsmith.formats.repo import (
     TargetInfo,
 )
 from draftsmith.formats.versions import PARALLEL_DRAFTING_RELEASES, Releases
+from draftsmith.formats.vllm_backend import backend_overrides
 from draftsmith.heads import drafter_class
+from draftsmith.text_release import release_form
 from draftsmith.vllm_window import VLLM_ONE_MORE_KEY, as_released
 
 SGLANG_SERVE = (
@@ -47,14 +49,18 @@ FIRST_LAYER = re.compile(r"(^|\.)layers\.0\.")  # a causal LM's first decoder la
 
 
 def model_config(source: Source) -> dict[str, Any]:
-    """The draft model's config.json: its config as its release would state it, which the engine reads."""
+    """The draft model's config.json: its config as its release would state it, which the engine reads (its family's
+    release form where its releases name another architecture than transformers' class, which vLLM has a model of:
+    draftsmith.text_release.release_form), with what vLLM's Transformers backend must be told of a model it builds
+    (formats/vllm_backend.py's backend_overrides)."""
     drafter = source.drafter
+    model = drafter.model.get_base_model() if hasattr(drafter.model, "get_base_model") else drafter.model
     config = as_released(drafter.config.model_config)
-    config["architectures"] = [
-        type(drafter.model.get_base_model() if hasattr(drafter.model, "get_base_model") else drafter.model).__name__
-    ]
+    config["architectures"] = [type(model).__name__]
     config.pop("_name_or_path", None)
     config.pop("transformers_version", None)
+    config = release_form(model.config, config)
+    config |= backend_overrides(config)  # the engine builds the draft model as it builds a target of its config
     if drafter.config.parallel_drafting:
         config["pard_token"] = int(drafter.config.mask_token_id)  # what vLLM feeds at the masked positions
     return config
@@ -73,28 +79,48 @@ def widened_window_arguments(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The weights transformers (and the engines, which follow its names) load for this config."""
+    """The weights a checkpoint of this config holds, as transformers saves them (saved_as_released), which the
+    engines load."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
     register_misfiled_causal_lms()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **settings))
-    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        expected.pop("lm_head.weight", None)  # tied: the embedding serves, the engines skip a second copy
-    return expected
+    return {name: tuple(tensor.shape) for name, tensor in saved_as_released(model, model.state_dict(), config).items()}
 
 
 def engine_tensors(source: Source, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The draft model's weights as transformers saves them (saved_as_released)."""
+    model = source.drafter.model
     tensors = {
         name.removeprefix(PREFIX): tensor
         for name, tensor in source.drafter.state_dict().items()
         if name.startswith(PREFIX)
     }
+    return saved_as_released(model.get_base_model() if hasattr(model, "get_base_model") else model, tensors, config)
+
+
+def saved_as_released(model, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, Any]:
+    """`tensors` (`model`'s, under the names transformers' model holds them) under the names its checkpoints hold
+    them, as transformers saves them and releases ship them: its conversion mapping reversed (experts unfused, modules
+    renamed: Mixtral's and Phi-3.5-MoE's `mlp` is `block_sparse_moe`, which vLLM's models of them read alone); the
+    lm_head left out where it is tied to the embedding (the embedding serves, the engines skip a second copy)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    saved = dict(revert_weight_conversion(model, tensors))
     if config.get("tie_word_embeddings"):
-        tensors.pop("lm_head.weight", None)
-    return tensors
+        saved.pop("lm_head.weight", None)
+    return saved
+
+
+def loaded_as_transformers(folder: Path) -> dict[str, torch.Tensor]:
+    """A draft model folder's weights under the names transformers' model holds them: the folder loaded as
+    transformers loads a checkpoint (its conversion mapping applied)."""
+    from transformers import AutoModelForCausalLM
+
+    register_misfiled_causal_lms()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
 
 
 @register
@@ -187,6 +213,9 @@ class DraftModelExporter(Exporter):
 
         check_engine_only_keys(folder, config)
         drafter = draft(draft.Config(**settings), TargetShape.of(target_model, info.get("verifier", "target")))
+        held = {name.removeprefix(PREFIX) for name in drafter.state_dict()}
+        if set(tensors) - held:  # a checkpoint's names (saved_as_released): converted as transformers loads them
+            tensors = loaded_as_transformers(folder)
         if config.get("tie_word_embeddings"):  # the engines read the embedding as the lm_head too, and drop one
             embedding = tensors["model.embed_tokens.weight"]
             if "lm_head.weight" in tensors and not torch.equal(tensors["lm_head.weight"], embedding):

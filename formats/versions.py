@@ -29,6 +29,7 @@ from packaging.version import Version
 from draftsmith.engines import TORCHVISION_INSTALL, installed_vllm, run_python, torchvision_loads, vllm_distribution
 from draftsmith.errors import UserError
 from draftsmith.families import INDEXED, LINEAR, layer_types, text_config
+from draftsmith.formats.vllm_backend import VLLM_BACKEND_EMBEDDING_ELSEWHERE
 
 if TYPE_CHECKING:
     import torch
@@ -170,36 +171,6 @@ def unloadable_target(config: dict, shipped: dict, trust_remote_code: bool = Fal
             f"transformers they install ({transformers}) nor a config class of vLLM's own knows"
         )
     return None
-
-
-# the text-generation architectures vLLM 0.32 builds with its Transformers backend, no model class of its own (its
-# registry's `_TRANSFORMERS_SUPPORTED_MODELS`: tests/test_families_vllm.py keeps the table so); it builds an
-# architecture it registers nothing for so too, where its transformers knows the model type
-VLLM_TRANSFORMERS_BACKEND = (
-    "ArceeForCausalLM", "CwmForCausalLM", "FlexOlmoForCausalLM", "GlmForCausalLM", "GPTBigCodeForCausalLM",
-    "GPTNeoXForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM", "Jais2ForCausalLM",
-    "MellumForCausalLM", "NanbeigeForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-    "PhiForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "Starcoder2ForCausalLM", "VaultGemmaForCausalLM",
-)  # fmt: skip
-# of those, the ones whose transformers model (the backend's `.model`) names its input embedding otherwise than the
-# proposers sharing it look for (`embed_tokens`, `embedding`: measured on GPT-NeoX, "Target model does not have
-# 'embed_tokens' or 'embedding' attribute" at start); tests/test_unnamed_families.py keeps it equal to transformers'
-VLLM_BACKEND_EMBEDDING_ELSEWHERE = {"GPTNeoXForCausalLM": "embed_in", "GPTBigCodeForCausalLM": "wte"}
-# the fields that backend reads a target's count of MTP layers from, the first one the config has (transformers/base.py
-# `_recursive_replace`: it adds that count to the layer count, a None included)
-BACKEND_MTP_COUNTS = ("n_predict", "num_nextn_predict_layers", "mtp_num_hidden_layers")
-
-
-def unset_count_overrides(config: dict) -> dict[str, int]:
-    """What vLLM must be told of a target it builds with its Transformers backend (VLLM_TRANSFORMERS_BACKEND, or an
-    architecture it registers no class for) whose config leaves its count of MTP layers unset, None: that count is 0,
-    which the config means (vLLM stops at the model's start otherwise: "unsupported operand type(s) for +: 'int' and
-    'NoneType'", measured on a tiny Mellum target). Empty for any other target."""
-    names = set(config.get("architectures") or [])
-    if not names & set(VLLM_TRANSFORMERS_BACKEND) and names & vllm_targets()[1]:
-        return {}
-    read = next((name for name in BACKEND_MTP_COUNTS if name in config), None)
-    return {read: 0} if read is not None and config[read] is None else {}
 
 
 def cpu_build_limit(config: dict, dtype: Optional[str] = None) -> Optional[str]:

@@ -784,8 +784,9 @@ def test_no_target_family_is_named_in_product_code():
     DRAFT_LAYER_FAMILIES), in the table of targets vLLM cannot capture features from
     (formats/repo.py's VLLM_NO_STATE_CAPTURE), of the architectures whose vLLM module imports torchvision
     (formats/versions.py's VLLM_IMPORTS_TORCHVISION), of those whose vLLM language model has no `.model`
-    (VLLM_BARE_LANGUAGE_MODEL), of those it builds with its Transformers backend (VLLM_TRANSFORMERS_BACKEND) or in the
-    tables of how vLLM serves each architecture's own
+    (VLLM_BARE_LANGUAGE_MODEL), of those it builds with its Transformers backend and what it reads of them otherwise
+    (formats/vllm_backend.py's VLLM_TRANSFORMERS_BACKEND, VLLM_BACKEND_EMBEDDING_ELSEWHERE, VLLM_BACKEND_REPEATED_KV) or
+    in the tables of how vLLM serves each architecture's own
     MTP layer (heads/mtp_layouts.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names, the family
     a layout's block is built from where vLLM builds another's, and SEPARATE_MODEL: an architecture whose MTP is a
     model of its own; formats/mtp_sglang.py's SGLANG_MODELS, SGLang's model of each, and formats/mtp_sglang_reads.py's
@@ -795,7 +796,8 @@ def test_no_target_family_is_named_in_product_code():
     (heads/gemma4_assistant_config.py's ASSISTANTS) and the classes vLLM must run such a target as
     (formats/gemma4_assistant.py's NATIVE_CLASSES), or in the table of the fields a text-only release sets that no
     transformers field tells (draftsmith/text_release.py's RELEASE_CONSTANTS) and of the model types whose releases
-    name another architecture (RELEASE_FORMS), or in the table of the model types
+    name another architecture (RELEASE_FORMS) or build weights transformers' default leaves out (RELEASE_WEIGHTS), or
+    in the table of the model types
     vLLM serves one key more than their sliding window (draftsmith/vllm_window.py's VLLM_ONE_MORE_KEY), never in a
     branch of its own."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -806,19 +808,19 @@ def test_no_target_family_is_named_in_product_code():
     from draftsmith.formats.mtp_sglang import SGLANG_MODELS
     from draftsmith.formats.mtp_sglang_reads import DOTS3_RELEASE_MODEL_TYPE, NEMOTRON_H_KINDS
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
-    from draftsmith.formats.versions import (
+    from draftsmith.formats.versions import VLLM_BARE_LANGUAGE_MODEL, VLLM_IMPORTS_TORCHVISION
+    from draftsmith.formats.vllm_backend import (
         VLLM_BACKEND_EMBEDDING_ELSEWHERE,
-        VLLM_BARE_LANGUAGE_MODEL,
-        VLLM_IMPORTS_TORCHVISION,
+        VLLM_BACKEND_REPEATED_KV,
         VLLM_TRANSFORMERS_BACKEND,
     )
     from draftsmith.heads.gemma4_assistant_config import ASSISTANTS, AssistantConfig
     from draftsmith.heads.mtp_layouts import LAYOUTS, SEPARATE_MODEL, UNSERVED
-    from draftsmith.text_release import RELEASE_CONSTANTS, RELEASE_FORMS
+    from draftsmith.text_release import RELEASE_CONSTANTS, RELEASE_FORMS, RELEASE_WEIGHTS
     from draftsmith.vllm_window import VLLM_ONE_MORE_KEY
 
     tables = {
-        "draftsmith/text_release.py": {*RELEASE_CONSTANTS, *RELEASE_FORMS},
+        "draftsmith/text_release.py": {*RELEASE_CONSTANTS, *RELEASE_FORMS, *RELEASE_WEIGHTS},
         "draftsmith/vllm_window.py": set(VLLM_ONE_MORE_KEY),
         "heads/gemma4_assistant.py": {AssistantConfig.type},  # the kind's name, the assistant's model type
         "heads/gemma4_assistant_config.py": {*ASSISTANTS, *ASSISTANTS.values()},
@@ -826,11 +828,11 @@ def test_no_target_family_is_named_in_product_code():
         "formats/mtp_sglang.py": set(SGLANG_MODELS),
         "formats/mtp_sglang_reads.py": {*NEMOTRON_H_KINDS, DOTS3_RELEASE_MODEL_TYPE},
         "formats/gemma4_assistant.py": {*NATIVE_CLASSES, *NATIVE_CLASSES.values(), *SGLANG_TARGETS},
-        "formats/versions.py": {
-            *VLLM_IMPORTS_TORCHVISION,
-            *VLLM_BARE_LANGUAGE_MODEL,
+        "formats/versions.py": {*VLLM_IMPORTS_TORCHVISION, *VLLM_BARE_LANGUAGE_MODEL},
+        "formats/vllm_backend.py": {
             *VLLM_TRANSFORMERS_BACKEND,
             *VLLM_BACKEND_EMBEDDING_ELSEWHERE,
+            *VLLM_BACKEND_REPEATED_KV,
         },
         "heads/mtp_layouts.py": {
             *LAYOUTS,

@@ -108,30 +108,55 @@ def registry_table(vllm_python: str, name: str) -> dict:
     return ast.literal_eval(table)
 
 
+def model_source(vllm_python: str, module: str) -> str:
+    """The source of a module the installed vLLM's registry names (short: under model_executor/models), or of every
+    file of a package, read without importing vLLM."""
+    from pathlib import Path
+
+    dotted = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
+    path = Path(site_packages(vllm_python)) / dotted.replace(".", "/")
+    files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+    return "".join(file.read_text() for file in files)
+
+
+def test_the_weights_a_tiny_target_is_built_with_as_released_are_those_vllm_builds_whatever_its_config_says(
+    vllm_python,
+):
+    """draftsmith.text_release's RELEASE_WEIGHTS: each field names weights the installed vLLM's model of the release's
+    architecture builds without reading the field (its module builds biases and reads no `config.<field>`), and the
+    tiny target is built with them (a Phi-3.5-MoE target without its biases was served token 0 at every step)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from draftsmith.random_target import tiny_target_config
+    from draftsmith.text_release import RELEASE_FORMS, RELEASE_WEIGHTS
+
+    models = registry_table(vllm_python, "_TEXT_GENERATION_MODELS")
+    assert "phimoe" in RELEASE_WEIGHTS
+    for model_type, fields in RELEASE_WEIGHTS.items():
+        architecture = RELEASE_FORMS.get(model_type, (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type],))[0]
+        source = model_source(vllm_python, models[architecture][0])
+        assert "bias=True" in source
+        for field in fields:
+            assert f"config.{field}" not in source and f'"{field}"' not in source, (model_type, field)
+        config = tiny_target_config(model_type)
+        assert all(getattr(config, field) == value for field, value in fields.items())
+
+
 def test_the_model_types_vllm_serves_one_key_more_than_their_window_are_vllms_own(vllm_python):
     """draftsmith.vllm_window's VLLM_ONE_MORE_KEY is every model type whose causal LM the installed vLLM builds with
     a module passing `config.sliding_window + 1` to its sliding layers (read from the module's source, as the
     registry names it), less the model types with no sliding window (Cohere v1, whose class vLLM's module leaves
     unwidened), and none other."""
     import re
-    from pathlib import Path
 
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from draftsmith.vllm_window import VLLM_ONE_MORE_KEY
 
-    site = Path(site_packages(vllm_python))
-
-    def source(module: str) -> str:  # a module the registry names (short: under model_executor/models), or a package
-        dotted = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
-        path = site / dotted.replace(".", "/")
-        files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
-        return "".join(file.read_text() for file in files)
-
     widening = {
         architecture for architecture, (module, _) in registry_table(vllm_python, "_TEXT_GENERATION_MODELS").items()
-        if re.search(r"config\.sliding_window \+ 1", source(module))
+        if re.search(r"config\.sliding_window \+ 1", model_source(vllm_python, module))
     }  # fmt: skip
     assert "Cohere2ForCausalLM" in widening
     found = {
@@ -142,10 +167,10 @@ def test_the_model_types_vllm_serves_one_key_more_than_their_window_are_vllms_ow
 
 
 def test_the_architectures_vllm_builds_with_its_transformers_backend_are_its_registrys(vllm_python):
-    """formats/versions.py's VLLM_TRANSFORMERS_BACKEND is every text-generation architecture the installed vLLM's
+    """formats/vllm_backend.py's VLLM_TRANSFORMERS_BACKEND is every text-generation architecture the installed vLLM's
     registry maps to its Transformers backend's causal LM classes (`_TRANSFORMERS_SUPPORTED_MODELS`), and none
     other."""
-    from draftsmith.formats.versions import VLLM_TRANSFORMERS_BACKEND
+    from draftsmith.formats.vllm_backend import VLLM_TRANSFORMERS_BACKEND
 
     causal = {"TransformersForCausalLM", "TransformersMoEForCausalLM"}
     supported = registry_table(vllm_python, "_TRANSFORMERS_SUPPORTED_MODELS")

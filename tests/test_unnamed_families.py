@@ -206,20 +206,26 @@ def test_a_target_whose_config_json_no_vllm_reads_is_refused_whatever_classes_vl
     assert unloadable_target(param2, {"architectures": param2["architectures"]}) is None  # no type: guessed by name
 
 
-@pytest.mark.parametrize("model_type, told", [("mellum", {"num_nextn_predict_layers": 0}), ("ernie4_5_moe", None)])
-def test_a_target_vllms_transformers_backend_builds_is_told_its_unset_mtp_count_as_none(model_type, told, tmp_path,
-                                                                                       capsys):  # fmt: skip
+@pytest.mark.parametrize(
+    "model_type, told",
+    [("mellum", {"num_nextn_predict_layers": 0}), ("ernie4_5_moe", None), ("jetmoe", {"num_kv_heads": 4})],
+)
+def test_a_target_vllms_transformers_backend_builds_is_told_what_the_backend_reads_otherwise(model_type, told, tmp_path,
+                                                                                           capsys):  # fmt: skip
     """vLLM 0.32's Transformers backend adds a config's count of MTP layers to its layer count, a None included
     (Mellum's class leaves it None where a release has no MTP layer: vLLM stopped at the model's start, "unsupported
-    operand type(s) for +: 'int' and 'NoneType'"): the export tells vLLM that count is 0 (the folder's
+    operand type(s) for +: 'int' and 'NoneType'"), and builds its attention for `num_key_value_heads` heads where
+    JetMoE's hands it those heads repeated once per expert a token picks (its greedy output differed from the first
+    token): the export tells vLLM the count is 0, and JetMoE's key-value heads are 2 × 2 (`num_kv_heads`; the folder's
     `target_overrides`, passed to its check and in its command's `--hf-overrides`). ERNIE-4.5-MoE's count is None too,
     and vLLM builds it with a class of its own: told nothing."""
+    from draftsmith.formats.vllm_backend import backend_overrides
     from draftsmith.random_target import write_random_target
     from draftsmith.target import load_target
     from tests.helpers import run_entry_in_process, save_drafter
 
     folder = write_random_target(model_type, tmp_path / "target")
-    assert json.loads((folder / "config.json").read_text())["num_nextn_predict_layers"] is None
+    assert backend_overrides(json.loads((folder / "config.json").read_text())) == (told or {})
     checkpoint = save_drafter("medusa", load_target(str(folder)), tmp_path / "ckpt", target_name=str(folder))
     export = ["-m", "export", "recipe=medusa", f"target.name_or_path={folder}", f"checkpoint={checkpoint}",
               "export.engines=[vllm]", f"output_dir={tmp_path / 'run'}",
@@ -227,30 +233,97 @@ def test_a_target_vllms_transformers_backend_builds_is_told_its_unset_mtp_count_
     assert run_entry_in_process(export, capsys).returncode == 0
     served = tmp_path / "export" / "vllm"
     assert json.loads((served / "draftsmith_export.json").read_text())["target_overrides"] == told
-    assert ("--hf-overrides '{\"num_nextn_predict_layers\": 0}'" in (served / "README.md").read_text()) is bool(told)
+    assert (f"--hf-overrides '{json.dumps(told)}'" in (served / "README.md").read_text()) is bool(told)
 
 
-def test_a_phi_3_5_moe_target_names_the_architecture_its_releases_name(tmp_path):
+def test_the_backend_architectures_handing_their_attention_repeated_key_value_heads_are_vllm_backend_repeated_kv():
+    """formats/vllm_backend.py's VLLM_BACKEND_REPEATED_KV is every architecture vLLM builds with its Transformers
+    backend (VLLM_TRANSFORMERS_BACKEND, and the table's own, which vLLM registers no class for) whose transformers
+    attention hands its attention function more key-value heads than `num_key_value_heads`, with the field that
+    counts the repeats: the heads handed, recorded in a forward of each tiny target."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from draftsmith.formats.vllm_backend import VLLM_BACKEND_REPEATED_KV, VLLM_TRANSFORMERS_BACKEND
+    from draftsmith.random_target import tiny_target_config
+
+    handed = []
+
+    def recording(module, query, key, *args, **kwargs):
+        handed.append(key.shape[1])
+        return sdpa_attention_forward(module, query, key, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS.register("recording", recording)
+    model_types = {architecture: model_type for model_type, architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+    repeated, counted = {}, {}
+    for architecture in (*VLLM_TRANSFORMERS_BACKEND, *VLLM_BACKEND_REPEATED_KV):
+        if architecture not in model_types:  # Nanbeige's model type is not transformers'
+            continue
+        config = tiny_target_config(model_types[architecture])
+        config._attn_implementation = "recording"
+        handed.clear()
+        AutoModelForCausalLM.from_config(config).eval()(torch.tensor([[1, 5, 9]]))
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        if handed and max(handed) > kv_heads:
+            repeated[architecture] = max(handed) // kv_heads
+            counted[architecture] = getattr(config, VLLM_BACKEND_REPEATED_KV.get(architecture, "-"), None)
+    assert set(repeated) == set(VLLM_BACKEND_REPEATED_KV) and repeated == counted and min(repeated.values()) > 1
+
+
+@pytest.mark.slow  # an export through its entry point
+def test_a_phi_3_5_moe_target_and_its_draft_model_name_the_architecture_its_releases_name(tmp_path, capsys):
     """Phi-3.5-MoE's releases name vLLM's own class (PhiMoEForCausalLM), not transformers' (PhimoeForCausalLM), which
     vLLM builds with its Transformers backend instead, whose CPU build fails on the routing: the tiny target is
-    written as a release (draftsmith.text_release's RELEASE_FORMS), and transformers still loads it as its own."""
+    written as a release (draftsmith.text_release's RELEASE_FORMS), with the attention and lm_head biases vLLM's class
+    builds whatever the config says (RELEASE_WEIGHTS), and transformers still loads it as its own. A draft model of
+    its first layers is exported under the release's name too (its check had failed at the engine's start, "too many
+    values to unpack", in the Transformers backend)."""
+    from safetensors import safe_open
+
+    from draftsmith.formats.folder import open_drafter
     from draftsmith.random_target import write_random_target
-    from draftsmith.target import load_target
+    from draftsmith.target import TargetShape, load_target
+    from tests.helpers import run_entry_in_process, save_drafter
+
+    def safetensors_names(path):
+        with safe_open(str(path), "pt") as file:
+            return set(file.keys())
 
     folder = write_random_target("phimoe", tmp_path / "target")
-    assert json.loads((folder / "config.json").read_text())["architectures"] == ["PhiMoEForCausalLM"]
-    assert type(load_target(str(folder))).__name__ == "PhimoeForCausalLM"
+    written = json.loads((folder / "config.json").read_text())
+    assert written["architectures"] == ["PhiMoEForCausalLM"]
+    assert written["attention_bias"] and written["lm_head_bias"]
+    target = load_target(str(folder))
+    assert type(target).__name__ == "PhimoeForCausalLM"
+    assert target.lm_head.bias is not None and target.model.layers[0].self_attn.q_proj.bias is not None
+    checkpoint = save_drafter("draft_model", target, tmp_path / "ckpt", target_name=str(folder))
+    export = ["-m", "export", "recipe=draft", f"target.name_or_path={folder}", f"checkpoint={checkpoint}",
+              "export.engines=[vllm]", f"output_dir={tmp_path / 'run'}",
+              f"export.output={tmp_path / 'export'}"]  # fmt: skip
+    assert run_entry_in_process(export, capsys).returncode == 0
+    served = json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())
+    assert served["architectures"] == ["PhiMoEForCausalLM"] and served["model_type"] == "phimoe"
+    assert served["attention_bias"] and served["lm_head_bias"]
+    # its weights under the names transformers saves (vLLM's PhiMoE reads `block_sparse_moe`, not transformers'
+    # `mlp`: "There is no module or parameter named 'model.layers.0.mlp'"), read back as the checkpoint's
+    names = safetensors_names(tmp_path / "export" / "vllm" / "model.safetensors")
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in names and not any(".mlp." in n for n in names)
+    shape = TargetShape.of(target, "target")
+    saved, read = (open_drafter(path, shape, target).state_dict() for path in (checkpoint, tmp_path / "export"))
+    assert saved.keys() == read.keys() and all(torch.equal(saved[name], read[name]) for name in saved)
 
 
 def test_the_backend_architectures_whose_embedding_the_proposers_miss_are_transformers_own():
-    """formats/versions.py's VLLM_BACKEND_EMBEDDING_ELSEWHERE is every architecture of VLLM_TRANSFORMERS_BACKEND whose
-    transformers model (what vLLM's Transformers backend builds as the language model's `.model`) has neither
+    """formats/vllm_backend.py's VLLM_BACKEND_EMBEDDING_ELSEWHERE is every architecture of VLLM_TRANSFORMERS_BACKEND
+    whose transformers model (what vLLM's Transformers backend builds as the language model's `.model`) has neither
     `embed_tokens` nor `embedding`, each with the name it has: vLLM's proposers that share the target's embedding
     stop at the engine's start on such a target."""
     from transformers import AutoModel
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from draftsmith.formats.versions import VLLM_BACKEND_EMBEDDING_ELSEWHERE, VLLM_TRANSFORMERS_BACKEND
+    from draftsmith.formats.vllm_backend import VLLM_BACKEND_EMBEDDING_ELSEWHERE, VLLM_TRANSFORMERS_BACKEND
     from draftsmith.random_target import tiny_target_config
 
     model_types = {architecture: model_type for model_type, architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
