@@ -27,6 +27,7 @@ from draftsmith.formats.versions import (
     EVERY_BUILD,
     Releases,
     require_language_model_shares,
+    require_lm_head_bias_applied,
     unloadable_target,
 )
 from draftsmith.formats.vllm_backend import backend_overrides
@@ -116,6 +117,8 @@ class Exporter:
 
     def build(self, engine: str, source: Source, gamma: int, output: Path) -> EngineRepo:
         self.refuse(engine, source.drafter, source.target, source.vllm_format)
+        if engine == "vllm":
+            require_lm_head_bias_applied(source.target.config, source.target_model)
         if engine == "vllm" and self.vllm_method_from_name:
             check_vllm_path(output, source.drafter.TITLE)
         repo = getattr(self, engine)(source, gamma, output)

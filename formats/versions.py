@@ -288,6 +288,28 @@ def require_language_model_shares(config: dict, method: str, shares: Optional[st
         )
 
 
+# Architectures whose vLLM 0.32 model builds its lm_head with a bias, loads it and never adds it to the logits (its
+# compute_logits hands the logits processor no bias; GPT-J's hands it its own): a target whose lm_head bias is not zero
+# is served other logits than transformers computes (measured on a tiny Phi-3.5-MoE trained 120 steps: vLLM's greedy
+# output parted from transformers' on 2 of 8 prompts within 16 tokens, its log-probabilities off by up to 0.08; the
+# same checkpoint with the bias zeroed matched within 1e-5). tests/test_families_vllm.py keeps it equal to vLLM's code.
+VLLM_UNAPPLIED_LM_HEAD_BIAS = ("PhiMoEForCausalLM",)
+
+
+def require_lm_head_bias_applied(config: dict, model) -> None:
+    """The export's one-line refusal of a drafter for vLLM (any build) of the loaded target `model` whose HF config
+    this is, where vLLM leaves its lm_head's bias out of the logits (VLLM_UNAPPLIED_LM_HEAD_BIAS) and that bias is not
+    zero: vLLM would serve another model than the drafter was trained for and the export's check compares with."""
+    names = [name for name in config.get("architectures") or [] if name in VLLM_UNAPPLIED_LM_HEAD_BIAS]
+    bias = getattr(model.get_output_embeddings(), "bias", None)
+    if names and bias is not None and bool(bias.detach().abs().max() > 0):
+        raise UserError(
+            f"vLLM 0.32 cannot serve a drafter of this target in any build: its {names[0]} loads the lm_head's "
+            "bias and never adds it to the logits, and this target's lm_head bias is not zero (vLLM would serve other "
+            "tokens than the target computes, which the drafter was trained on)"
+        )
+
+
 def served_target_limit(config: dict, model, method: str, shares: Optional[str]) -> Optional[str]:
     """Why vLLM's CPU build cannot serve a drafter served as `method` (its proposer sharing the target's embedding in
     the builds `shares` names) for the loaded target `model` (None: it can), beyond what its config alone says

@@ -629,7 +629,11 @@ def test_a_family_splitting_its_rotary_frequencies_by_section_is_written_to_run_
 
     folder = write_random_target(model_type, tmp_path / "target")
     text = json.loads((folder / "config.json").read_text())["text_config"]
-    assert text["rope_parameters"]["mrope_section"] == [8, 12, 12] and text["head_dim"] == 64
+    assert (
+        text["rope_parameters"]["mrope_section"] == [8, 12, 12]
+        and text["hidden_size"] // text["num_attention_heads"] == 64
+    )
+    assert "head_dim" not in text  # no field of the class: the head is hidden_size / heads wide
     ids = torch.tensor([[1, 5, 9, 13]])
     assert load_target(str(folder))(ids).logits.shape == (1, 4, 4096)
 

@@ -142,6 +142,22 @@ def test_the_weights_a_tiny_target_is_built_with_as_released_are_those_vllm_buil
         assert all(getattr(config, field) == value for field, value in fields.items())
 
 
+def test_the_architectures_whose_lm_head_bias_vllm_leaves_out_are_vllms_own(vllm_python):
+    """formats/versions.py's VLLM_UNAPPLIED_LM_HEAD_BIAS is every text-generation architecture whose installed vLLM
+    module builds its lm_head with a bias and never hands that bias to its logits processor (GPT-J's hands it
+    `self.lm_head.bias`), read from the module's source, and none other."""
+    import re
+
+    from draftsmith.formats.versions import VLLM_UNAPPLIED_LM_HEAD_BIAS
+
+    left_out = set()
+    for architecture, (module, _) in registry_table(vllm_python, "_TEXT_GENERATION_MODELS").items():
+        source = model_source(vllm_python, module)
+        if re.search(r"ParallelLMHead\([^)]*bias=True", source) and "lm_head.bias" not in source:
+            left_out.add(architecture)
+    assert left_out == set(VLLM_UNAPPLIED_LM_HEAD_BIAS)
+
+
 def test_the_model_types_vllm_serves_one_key_more_than_their_window_are_vllms_own(vllm_python):
     """draftsmith.vllm_window's VLLM_ONE_MORE_KEY is every model type whose causal LM the installed vLLM builds with
     a module passing `config.sliding_window + 1` to its sliding layers (read from the module's source, as the

@@ -242,7 +242,6 @@ def test_the_backend_architectures_handing_their_attention_repeated_key_value_he
     attention hands its attention function more key-value heads than `num_key_value_heads`, with the field that
     counts the repeats: the heads handed, recorded in a forward of each tiny target."""
     from transformers import AutoModelForCausalLM
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -251,9 +250,9 @@ def test_the_backend_architectures_handing_their_attention_repeated_key_value_he
 
     handed = []
 
-    def recording(module, query, key, *args, **kwargs):
+    def recording(module, query, key, *args, **kwargs):  # the heads handed; the output's values do not matter here
         handed.append(key.shape[1])
-        return sdpa_attention_forward(module, query, key, *args, **kwargs)
+        return torch.zeros_like(query).transpose(1, 2).contiguous(), None
 
     ALL_ATTENTION_FUNCTIONS.register("recording", recording)
     model_types = {architecture: model_type for model_type, architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
@@ -315,6 +314,31 @@ def test_a_phi_3_5_moe_target_and_its_draft_model_name_the_architecture_its_rele
     assert saved.keys() == read.keys() and all(torch.equal(saved[name], read[name]) for name in saved)
 
 
+@pytest.mark.slow  # an export through its entry point
+def test_a_phi_3_5_moe_target_whose_lm_head_bias_vllm_leaves_out_is_refused_for_vllm_in_one_line(tmp_path, capsys):
+    """vLLM 0.32's PhiMoE loads the lm_head's bias and never adds it to the logits (formats/versions.py
+    VLLM_UNAPPLIED_LM_HEAD_BIAS): a target whose bias is not zero is refused for vLLM before anything is written, exit
+    2, one line; the same target with its bias zero is exported (the draft model above)."""
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.random_target import write_random_target
+    from draftsmith.target import load_target
+    from tests.helpers import assert_one_line_error, run_entry_in_process, save_drafter
+
+    folder = write_random_target("phimoe", tmp_path / "target")
+    weights = load_file(str(folder / "model.safetensors"))
+    assert not weights["lm_head.bias"].any()
+    save_file({**weights, "lm_head.bias": torch.full_like(weights["lm_head.bias"], 0.01)},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    checkpoint = save_drafter("medusa", load_target(str(folder)), tmp_path / "ckpt", target_name=str(folder))
+    export = ["-m", "export", "recipe=medusa", f"target.name_or_path={folder}", f"checkpoint={checkpoint}",
+              "export.engines=[vllm]", f"output_dir={tmp_path / 'run'}",
+              f"export.output={tmp_path / 'export'}"]  # fmt: skip
+    fragment = "its PhiMoEForCausalLM loads the lm_head's bias and never adds it to the logits"
+    assert_one_line_error(run_entry_in_process(export, capsys), 2, fragment)
+    assert not (tmp_path / "export").exists()
+
+
 def test_the_backend_architectures_whose_embedding_the_proposers_miss_are_transformers_own():
     """formats/vllm_backend.py's VLLM_BACKEND_EMBEDDING_ELSEWHERE is every architecture of VLLM_TRANSFORMERS_BACKEND
     whose transformers model (what vLLM's Transformers backend builds as the language model's `.model`) has neither
@@ -360,3 +384,15 @@ def test_a_gpt_neox_targets_drafter_sharing_its_embedding_is_refused_before_any_
             assert "`embed_in`" in line and not (tmp_path / "export" / kind).exists()
         else:
             assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_tiny_targets_config_holds_no_size_its_class_has_no_field_for():
+    """The tiny shape's sizes are given to every class, and kept only where the class has the field: an engine reads
+    a config.json's `num_key_value_heads` as the heads' grouping, which a GPT-NeoX model (every head its own keys)
+    does not have, and vLLM's Transformers backend would build its attention for 2 key-value heads, not 4."""
+    from draftsmith.random_target import tiny_target_config
+
+    neox = tiny_target_config("gpt_neox").to_dict()
+    assert "num_key_value_heads" not in neox and "head_dim" not in neox and neox["num_attention_heads"] == 4
+    assert tiny_target_config("llama").to_dict()["num_key_value_heads"] == 2
+    assert tiny_target_config("gpt_neox", num_key_value_heads=1).num_key_value_heads == 1  # given: kept
