@@ -129,8 +129,10 @@ def build_config(
     if getattr(config, "attention_chunk_size", None) and "attention_chunk_size" not in shape:
         config.attention_chunk_size = ATTENTION_CHUNK  # chunked attention (Llama-4's): chunks a test's rows cross
     config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-    for key in TINY.keys() - shape.keys():  # a TINY size the class has no field for: not in its config.json, which
-        name = canonical[key]  # engines read (a GPT-NeoX config's `num_key_value_heads` is read as its heads' grouping)
+    # a TINY size the class has no field for is left out of its config.json, which the engines read (they would read a
+    # GPT-NeoX config's `num_key_value_heads` as a grouping of heads its model does not have)
+    for key in TINY.keys() - shape.keys():
+        name = canonical[key]
         if name not in defaults and name in vars(config):
             delattr(config, name)
     return config

@@ -301,8 +301,8 @@ def require_lm_head_bias_applied(config: dict, model) -> None:
     this is, where vLLM leaves its lm_head's bias out of the logits (VLLM_UNAPPLIED_LM_HEAD_BIAS) and that bias is not
     zero: vLLM would serve another model than the drafter was trained for and the export's check compares with."""
     names = [name for name in config.get("architectures") or [] if name in VLLM_UNAPPLIED_LM_HEAD_BIAS]
-    bias = getattr(model.get_output_embeddings(), "bias", None)
-    if names and bias is not None and bool(bias.detach().abs().max() > 0):
+    bias = getattr(model.get_output_embeddings(), "bias", None) if names else None
+    if bias is not None and bool(bias.detach().abs().max() > 0):
         raise UserError(
             f"vLLM 0.32 cannot serve a drafter of this target in any build: its {names[0]} loads the lm_head's "
             "bias and never adds it to the logits, and this target's lm_head bias is not zero (vLLM would serve other "

@@ -149,6 +149,7 @@ def test_its_tiny_config_has_attention_and_sizes_mamba2_at_the_tiny_width(model_
 
     config = build_config(model_type, 512, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
     assert "full_attention" in layer_types(config) or set(layer_types(config)) == {"hybrid"}
-    assert (config.mamba_d_head, config.mamba_d_state) == (config.head_dim, config.head_dim)
+    head = config.hidden_size // config.num_attention_heads  # no head_dim field: the attention's heads are this wide
+    assert (config.mamba_d_head, config.mamba_d_state) == (head, head)
     assert config.mamba_n_heads * config.mamba_d_head == config.mamba_expand * config.hidden_size
     assert config.mamba_n_groups == config.num_key_value_heads

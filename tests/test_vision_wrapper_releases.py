@@ -132,7 +132,9 @@ def test_every_proposer_but_medusas_is_told_a_wrappers_image_token_under_the_nam
     told_wrapper = {"image_token_index": 7} if told else {}
     for folder, expected in ((tmp_path / "wrapper", told_wrapper), (tmp_path / "text", {})):
         target = SimpleNamespace(shape=SimpleNamespace(name_or_path=str(folder)), config={})
-        source = SimpleNamespace(drafter=SimpleNamespace(TITLE=kind), target=target, vllm_format=None)
+        source = SimpleNamespace(
+            drafter=SimpleNamespace(TITLE=kind), target=target, target_model=None, vllm_format=None
+        )
         assert exporter.build("vllm", source, 3, tmp_path / "export" / "vllm").target_overrides == {**expected, **own}
 
 
