@@ -14,6 +14,8 @@ and kind at more steps and prompts is benchmarks/target_matrix.py (docs/targets-
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from draftsmith.errors import UserError
@@ -108,6 +110,7 @@ def registry_table(vllm_python: str, name: str) -> dict:
     return ast.literal_eval(table)
 
 
+@functools.cache  # the registry tests read each of vLLM's ~300 model modules: once a session
 def model_source(vllm_python: str, module: str) -> str:
     """The source of a module the installed vLLM's registry names (short: under model_executor/models), or of every
     file of a package, read without importing vLLM."""
