@@ -54,7 +54,7 @@ def model_config(source: Source) -> dict[str, Any]:
     draftsmith.text_release.release_form), with what vLLM's Transformers backend must be told of a model it builds
     (formats/vllm_backend.py's backend_overrides)."""
     drafter = source.drafter
-    model = drafter.model.get_base_model() if hasattr(drafter.model, "get_base_model") else drafter.model
+    model = causal_lm(drafter)
     config = as_released(drafter.config.model_config)
     config["architectures"] = [type(model).__name__]
     config.pop("_name_or_path", None)
@@ -92,13 +92,18 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def engine_tensors(source: Source, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The draft model's weights as transformers saves them (saved_as_released)."""
-    model = source.drafter.model
     tensors = {
         name.removeprefix(PREFIX): tensor
         for name, tensor in source.drafter.state_dict().items()
         if name.startswith(PREFIX)
     }
-    return saved_as_released(model.get_base_model() if hasattr(model, "get_base_model") else model, tensors, config)
+    return saved_as_released(causal_lm(source.drafter), tensors, config)
+
+
+def causal_lm(drafter):
+    """The drafter's causal LM, the base model under a LoRA adapter's wrapper."""
+    model = drafter.model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def saved_as_released(model, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, Any]:
