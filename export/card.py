@@ -13,7 +13,13 @@ from omegaconf import OmegaConf
 
 from draftsmith.engines import NGRAM, SERVING_ENGINES
 from draftsmith.eval.partings import NEAR_TIE_UNITS
-from draftsmith.formats.repo import TRUST_REMOTE_CODE_FLAG, EngineRepo, vllm_cpu_serve, vllm_serve_flags
+from draftsmith.formats.repo import (
+    TRUST_REMOTE_CODE_FLAG,
+    VLLM_CPU_SAMPLING_FAULT,
+    EngineRepo,
+    vllm_cpu_serve,
+    vllm_serve_flags,
+)
 from draftsmith.formats.versions import CPU_BUILD
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import DRAFTER_DIR
@@ -105,6 +111,13 @@ def cpu_build_serving(command: str, verified: Optional[dict[str, Any]]) -> list[
     of its wheel stops at start)."""
     if (verified or {}).get("engine_build") != CPU_BUILD:
         return []
+    version = verified["engine_version"]
+    sampling = (
+        [f"Send it greedy requests only (temperature 0): vLLM's CPU build {version} samples a speculative request at "
+         "temperature > 0 from another distribution than the target's (vllm-project/vllm#55005, measured by "
+         "draftsmith), where vLLM on a GPU samples it exactly.", ""]
+        if version in VLLM_CPU_SAMPLING_FAULT else []
+    )  # fmt: skip
     return [
         f"With vLLM's CPU build (`{CPU_BUILD}`, which the check below ran), whose `vllm` command stops at start, the "
         "same server runs from its module (host memory for its cache, eager):",
@@ -113,6 +126,7 @@ def cpu_build_serving(command: str, verified: Optional[dict[str, Any]]) -> list[
         vllm_cpu_serve(command),
         "```",
         "",
+        *sampling,
     ]
 
 

@@ -61,6 +61,12 @@ VLLM_SERVE = (
 # start where other programs hold memory) and there are no graphs to capture
 VLLM_CPU_SERVE = "python -m vllm.entrypoints.launchers.api_server.entry --model"
 VLLM_CPU_FLAGS = " --gpu-memory-utilization 0.3 --enforce-eager"
+# vLLM's CPU builds that sample a speculative request at temperature > 0 from another distribution than the target's:
+# their stand-in for the Triton kernel that spreads each request's temperature, top-k and top-p over its draft
+# positions writes a converted copy, so the rejection sampler reads uninitialised values (vllm-project/vllm#55005).
+# Greedy requests are exact. tests/test_engine_vllm.py keeps it equal to the installed build's stand-in and shows the
+# sampling exact once that stand-in is mended.
+VLLM_CPU_SAMPLING_FAULT = ("0.32.0",)
 
 
 def vllm_cpu_serve(command: str) -> str:

@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from draftsmith.errors import ExportCheckFailed, UserError
@@ -58,6 +59,7 @@ CASES = {
                                                    "export.vllm_format=native"]),
 }  # fmt: skip
 SELF_DISTILLED = DEMO / "data" / "train.regenerated.jsonl.gz"  # the target's own answers: acceptance comes fast
+SAMPLED_ROWS = 2000  # sequences sampled in each run of the sampling test
 
 
 def common(output_dir: Path, small_data, token_cache) -> list[str]:
@@ -209,3 +211,55 @@ def test_a_medusa_sweep_measures_its_gammas_without_a_schedule_and_its_export_re
     with pytest.raises(UserError, match="vLLM's medusa proposer drafts the one γ it was loaded with"):
         export_checkpoint(scheduled, checkpoint, target=target, engines=engine_session)
     assert not (tmp_path / "export").exists()
+
+
+def test_vllm_samples_with_the_drafter_as_the_target_once_its_cpu_builds_sampling_kernel_is_mended(
+    exported, vllm_python, target, tmp_path
+):
+    """Sampled speculation in the engine: the EAGLE-3 case's folder served as its card says, one prompt sampled
+    SAMPLED_ROWS times at temperature 0.8, the first two new tokens counted (the second is the first a draft is
+    verified for) against the target's own distribution. vLLM without the drafter samples it; with the drafter,
+    vLLM's CPU build 0.32 does not: its stand-in for the kernel that spreads each request's temperature over its draft
+    positions leaves them uninitialised (vllm-project/vllm#55005), and the card says so where the check ran in such a
+    build. With that stand-in replaced by one that writes them, vLLM's sampling with the drafter is the target's: the
+    folder itself is sampled exactly. formats/repo.py's VLLM_CPU_SAMPLING_FAULT names the builds whose stand-in fails,
+    kept equal to the installed one's."""
+    from draftsmith.formats.repo import VLLM_CPU_SAMPLING_FAULT
+    from tests.helpers import chi_square_pvalue, vllm_script
+
+    _, _, folder = exported("eagle3")
+    verified = json.loads((folder / EXPORT_INFO).read_text())["verified"]
+    (serve,) = [line for line in (folder / "README.md").read_text().splitlines() if line.startswith("vllm serve ")]
+    speculative = serve.split("--speculative-config '", 1)[1].rstrip("'")
+    prompt, temperature = [1, *range(300, 307)], 0.8
+    counts = {}
+    for run in ("as built", "mended"):
+        out = tmp_path / f"{run.replace(' ', '_')}.json"
+        argv = [Path(__file__).with_name("vllm_sampling.py"), REFERENCE_TARGET, speculative, json.dumps(prompt),
+                SAMPLED_ROWS, 2, temperature, out, *(["--mended"] if run == "mended" else [])]  # fmt: skip
+        ran = vllm_script(vllm_python, argv)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        counts[run] = json.loads(out.read_text())
+    with torch.no_grad():  # the target's P(x1) and P(x2 | x1) for every x1, at the temperature
+        first = (target(torch.tensor([prompt])).logits[0, -1] / temperature).softmax(-1)
+        rows = torch.cat([torch.tensor(prompt).expand(len(first), -1), torch.arange(len(first))[:, None]], 1)
+        second = torch.cat([(target(chunk).logits[:, -1] / temperature).softmax(-1) for chunk in rows.split(512)])
+    joint = first[:, None] * second
+
+    def pvalues(sampled: dict[str, int]) -> dict[str, float]:
+        table = torch.zeros_like(joint)
+        for tokens, n in sampled.items():
+            table[tuple(json.loads(tokens))] += n
+        return {"x1": chi_square_pvalue(table.sum(1), first), "x2": chi_square_pvalue(table.sum(0), joint.sum(0)),
+                "x1 x2": chi_square_pvalue(table, joint)}  # fmt: skip
+
+    built, mended = counts["as built"], counts["mended"]
+    assert min(pvalues(built["plain"]).values()) > 1e-3, pvalues(built["plain"])
+    assert mended["accepted"] > SAMPLED_ROWS / 20  # drafts accepted (264 measured) and rejected: both branches ran
+    assert min(pvalues(mended["speculative"]).values()) > 1e-3, pvalues(mended["speculative"])
+    faulty = not built["expand_writes_floats"]
+    assert faulty == (built["vllm_version"] in VLLM_CPU_SAMPLING_FAULT)
+    if faulty:
+        assert pvalues(built["speculative"])["x2"] < 1e-6, pvalues(built["speculative"])
+    if verified["engine_build"] == "vllm-cpu" and verified["engine_version"] in VLLM_CPU_SAMPLING_FAULT:
+        assert "vllm-project/vllm#55005" in (folder / "README.md").read_text()
