@@ -34,7 +34,7 @@ from draftsmith.formats.repo import (
     TargetInfo,
 )
 from draftsmith.formats.versions import PARALLEL_DRAFTING_RELEASES, Releases
-from draftsmith.formats.vllm_backend import backend_overrides
+from draftsmith.formats.vllm_backend import backend_overrides, fused_experts_clash
 from draftsmith.heads import drafter_class
 from draftsmith.text_release import release_form
 from draftsmith.vllm_window import VLLM_ONE_MORE_KEY, as_released
@@ -147,6 +147,9 @@ class DraftModelExporter(Exporter):
                 "and never read the mask token it was trained for; export it for vllm"
             )
         config = drafter.config.model_config
+        clash = fused_experts_clash(target.config, config) if engine == "vllm" else None
+        if clash:
+            raise UserError(f"vLLM cannot serve this draft model for this target: {clash}; export another kind for it")
         if config.get("vocab_size") != target.shape.vocab_size:
             raise UserError(
                 f"the draft model's vocab_size {config.get('vocab_size')} differs from the target's "

@@ -6,7 +6,7 @@ backend's model names otherwise."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 # the text-generation architectures vLLM 0.32 builds with its Transformers backend, no model class of its own (its
 # registry's `_TRANSFORMERS_SUPPORTED_MODELS`: tests/test_families_vllm.py keeps the table so); it builds an
@@ -32,6 +32,13 @@ BACKEND_MTP_COUNTS = ("n_predict", "num_nextn_predict_layers", "mtp_num_hidden_l
 # field vLLM reads before `num_key_value_heads` (a KV cache that many times larger). tests/test_unnamed_families.py
 # keeps the table equal to what transformers' models hand their attention functions.
 VLLM_BACKEND_REPEATED_KV = {"JetMoeForCausalLM": "num_experts_per_tok"}
+# Architectures whose transformers model holds each layer's experts as one module named `experts` (a list of experts,
+# or 3-D weights), which the backend replaces with vLLM's fused experts registered under the transformers model's own
+# path from `model` (transformers/moe.py: `_recursive_replace(self.model, prefix="model")`), whichever model vLLM is
+# building. A draft model of such an architecture served beside a target of one registers its experts under the
+# target's layers' names, and vLLM stops at the engine's start ("Duplicate layer name: model.layers.0.mlp.experts",
+# measured on HunYuan-MoE). tests/test_unnamed_families.py keeps the table equal to transformers' models.
+VLLM_BACKEND_FUSED_EXPERTS = ("FlexOlmoForCausalLM", "HunYuanMoEV1ForCausalLM", "MellumForCausalLM")
 
 
 def built_by_backend(config: dict[str, Any]) -> bool:
@@ -60,3 +67,20 @@ def backend_overrides(config: dict[str, Any]) -> dict[str, int]:
     if repeats and repeats > 1:
         told["num_kv_heads"] = config["num_key_value_heads"] * repeats
     return told
+
+
+def fused_experts_clash(target_config: dict[str, Any], draft_config: dict[str, Any]) -> Optional[str]:
+    """Why vLLM cannot serve a draft model whose HF config is `draft_config` beside the target whose config is
+    `target_config` (None: it can): the backend builds both with their experts fused under the same names
+    (VLLM_BACKEND_FUSED_EXPERTS)."""
+    clashing = [
+        next((name for name in config.get("architectures") or [] if name in VLLM_BACKEND_FUSED_EXPERTS), None)
+        for config in (target_config, draft_config)
+    ]
+    if None in clashing:
+        return None
+    return (
+        f"vLLM builds the target ({clashing[0]}) and the draft model ({clashing[1]}) with its Transformers backend, "
+        "which registers each one's fused experts under the transformers model's own path (`model.layers.N.mlp."
+        "experts`), the draft's as the target's first layers' (Duplicate layer name, at the engine's start)"
+    )

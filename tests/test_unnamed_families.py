@@ -362,28 +362,38 @@ def test_the_backend_architectures_whose_embedding_the_proposers_miss_are_transf
     assert elsewhere == VLLM_BACKEND_EMBEDDING_ELSEWHERE
 
 
+def refused_for_vllm_where_medusa_is_exported(model_type: str, kind: str, recipe: str, tmp_path, capsys) -> str:
+    """The one line (exit 2) with which the export for vLLM refuses a fresh `kind` drafter (trained by `recipe`) of a
+    tiny `model_type` target, nothing written; a Medusa drafter of the same target, which shares nothing of it and
+    holds no layers, is exported."""
+    from draftsmith.random_target import write_random_target
+    from draftsmith.target import load_target
+    from tests.helpers import assert_one_line_error, run_entry_in_process, save_drafter
+
+    folder = write_random_target(model_type, tmp_path / "target")
+    target = load_target(str(folder))
+    line = ""
+    for exported, trained_by in ((kind, recipe), ("medusa", "medusa")):
+        checkpoint = save_drafter(exported, target, tmp_path / exported, target_name=str(folder))
+        export = ["-m", "export", f"recipe={trained_by}", f"target.name_or_path={folder}", f"checkpoint={checkpoint}",
+                  "export.engines=[vllm]", f"output_dir={tmp_path / 'run'}",
+                  f"export.output={tmp_path / 'export' / exported}"]  # fmt: skip
+        done = run_entry_in_process(export, capsys)
+        if exported == "medusa":
+            assert done.returncode == 0, done.stderr[-2000:]
+        else:
+            line = assert_one_line_error(done, 2)
+            assert not (tmp_path / "export" / exported).exists()
+    return line
+
+
 def test_a_gpt_neox_targets_drafter_sharing_its_embedding_is_refused_before_any_engine_starts(tmp_path, capsys):
     """vLLM's EAGLE-3 proposer shares the target's embedding as `.model.embed_tokens`, which GPT-NeoX's transformers
     model, as vLLM's Transformers backend builds it, names `embed_in` (the export's check stopped at the engine's start:
     "Target model does not have 'embed_tokens' or 'embedding' attribute"): refused in one line, exit 2, nothing
     written; Medusa, which shares nothing, is exported."""
-    from draftsmith.random_target import write_random_target
-    from draftsmith.target import load_target
-    from tests.helpers import assert_one_line_error, run_entry_in_process, save_drafter
-
-    folder = write_random_target("gpt_neox", tmp_path / "target")
-    target = load_target(str(folder))
-    for kind, recipe in (("eagle3", "eagle3"), ("medusa", "medusa")):
-        checkpoint = save_drafter(kind, target, tmp_path / kind, target_name=str(folder))
-        export = ["-m", "export", f"recipe={recipe}", f"target.name_or_path={folder}", f"checkpoint={checkpoint}",
-                  "export.engines=[vllm]", f"output_dir={tmp_path / 'run'}",
-                  f"export.output={tmp_path / 'export' / kind}"]  # fmt: skip
-        done = run_entry_in_process(export, capsys)
-        if kind == "eagle3":
-            line = assert_one_line_error(done, 2, "cannot serve this drafter for this target in any build")
-            assert "`embed_in`" in line and not (tmp_path / "export" / kind).exists()
-        else:
-            assert done.returncode == 0, done.stderr[-2000:]
+    line = refused_for_vllm_where_medusa_is_exported("gpt_neox", "eagle3", "eagle3", tmp_path, capsys)
+    assert "cannot serve this drafter for this target in any build" in line and "`embed_in`" in line
 
 
 def test_a_tiny_targets_config_holds_no_size_its_class_has_no_field_for():
@@ -396,3 +406,45 @@ def test_a_tiny_targets_config_holds_no_size_its_class_has_no_field_for():
     assert "num_key_value_heads" not in neox and "head_dim" not in neox and neox["num_attention_heads"] == 4
     assert tiny_target_config("llama").to_dict()["num_key_value_heads"] == 2
     assert tiny_target_config("gpt_neox", num_key_value_heads=1).num_key_value_heads == 1  # given: kept
+
+
+def test_the_backend_architectures_fusing_their_experts_under_their_own_names_are_vllm_backend_fused_experts():
+    """formats/vllm_backend.py's VLLM_BACKEND_FUSED_EXPERTS is every architecture vLLM builds with its Transformers
+    backend (VLLM_TRANSFORMERS_BACKEND, and VLLM_BACKEND_REPEATED_KV's, which vLLM registers no class for) whose
+    transformers model holds a layer's experts as one module named `experts`, a list of experts or 3-D weights: the
+    modules the backend replaces with vLLM's fused experts, named from `model` whichever model vLLM builds."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from draftsmith.formats.vllm_backend import (
+        VLLM_BACKEND_FUSED_EXPERTS,
+        VLLM_BACKEND_REPEATED_KV,
+        VLLM_TRANSFORMERS_BACKEND,
+    )
+    from draftsmith.random_target import tiny_target_config
+
+    def fused(module: torch.nn.Module) -> bool:
+        weights = list(module.parameters())
+        return isinstance(module, torch.nn.ModuleList) or bool(weights) and all(w.ndim == 3 for w in weights)
+
+    model_types = {architecture: model_type for model_type, architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+    fusing = []
+    for architecture in (*VLLM_TRANSFORMERS_BACKEND, *VLLM_BACKEND_REPEATED_KV):
+        if architecture in model_types:  # Nanbeige's model type is not transformers'
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(tiny_target_config(model_types[architecture]))
+            if any(name.rsplit(".", 1)[-1] == "experts" and fused(m) for name, m in model.named_modules()):
+                fusing.append(architecture)
+    assert sorted(fusing) == sorted(VLLM_BACKEND_FUSED_EXPERTS)
+
+
+@pytest.mark.parametrize("model_type", ["hunyuan_v1_moe", pytest.param("mellum", marks=pytest.mark.slow)])
+def test_a_draft_model_whose_experts_vllms_backend_would_name_as_its_targets_is_refused_in_one_line(
+    model_type, tmp_path, capsys
+):
+    """A HunYuan-MoE draft model (the target's first layer) stopped the export's check at the engine's start ("Duplicate
+    layer name: model.layers.0.mlp.experts": vLLM's Transformers backend names both models' fused experts from
+    `model`), as did FlexOlmo's and Mellum's: refused in one line, exit 2, before anything is written; Medusa is
+    exported."""
+    line = refused_for_vllm_where_medusa_is_exported(model_type, "draft_model", "draft", tmp_path, capsys)
+    assert "vLLM cannot serve this draft model for this target" in line and "Duplicate layer name" in line
