@@ -108,10 +108,10 @@ class DirectoryLock:
     the lock file goes, and the directory too if acquiring created it and it is still empty. `key`: the
     recipe key the directory is the value or the default of, named when it cannot be created."""
 
-    def __init__(self, directory: str | os.PathLike, command: Optional[str] = None, key: Optional[str] = None):
+    def __init__(self, directory: str | os.PathLike, key: Optional[str] = None):
         self.directory = Path(directory)
         self.path = self.directory / LOCK_NAME
-        self.command = command if command is not None else " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+        self.command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])  # named by another job refused
         self.key = key
         self._fd: Optional[int] = None
         self._created: list[Path] = []  # directories acquire() created, innermost first

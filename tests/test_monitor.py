@@ -1232,12 +1232,13 @@ def test_a_shift_is_detected_and_located_by_replaying_the_logged_requests(deploy
     engine.server.shutdown()
 
 
-def test_two_checks_never_overlap(tmp_path):
+def test_two_checks_never_overlap(tmp_path, monkeypatch):
     (tmp_path / "logs").mkdir()
     cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path}", f"monitor.traffic={tmp_path / 'logs'}"])
     from draftsmith.monitor.check import check
 
-    with DirectoryLock(tmp_path / "monitor", "a running check"):
+    monkeypatch.setattr(sys, "argv", ["a running check"])  # the command the holder's lock names
+    with DirectoryLock(tmp_path / "monitor"):
         with pytest.raises(UserError, match="in use by another job .*a running check"):
             check(cfg)
 
@@ -1762,7 +1763,8 @@ def test_watch_skips_a_check_while_another_holds_the_state_dir(tmp_path, monkeyp
     monkeypatch.setattr(monitor_check, "check", locked_out)
     args = ["-m", "monitor", "watch", "recipe=medusa", f"output_dir={tmp_path}", "monitor.interval_s=1"]
     waits_pass_at_once(monkeypatch, checks, sigterm_after=2)
-    with DirectoryLock(tmp_path / "monitor", "a cron check"):
+    monkeypatch.setattr(sys, "argv", ["a cron check"])  # the command the holder's lock names
+    with DirectoryLock(tmp_path / "monitor"):
         result = run_entry_in_process(args, capsys)
     assert result.returncode == 75, result.stderr[-2000:]
     skipped = [line for line in result.stderr.splitlines() if line.startswith("monitor: check skipped: ")]

@@ -167,7 +167,8 @@ def test_a_lock_whose_holder_died_is_taken_over_with_a_warning(tmp_path, small_d
         [
             sys.executable,
             "-c",
-            f"from draftsmith.outputs import DirectoryLock; DirectoryLock({str(out)!r}, 'a job that dies').acquire(); "
+            "import sys; sys.argv = ['a job that dies']; from draftsmith.outputs import DirectoryLock; "
+            f"DirectoryLock({str(out)!r}).acquire(); "
             "import time; time.sleep(600)",
         ],
         cwd=REPO,

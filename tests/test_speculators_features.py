@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -177,9 +178,10 @@ def test_unusable_tap_layers_are_refused_as_train_refuses_them_and_nothing_is_cr
     assert not output.exists()
 
 
-def test_a_folder_in_use_by_another_run_is_refused_and_left_as_it_is(tmp_path, capsys, token_cache):
+def test_a_folder_in_use_by_another_run_is_refused_and_left_as_it_is(tmp_path, capsys, token_cache, monkeypatch):
     output = tmp_path / "features"
-    with DirectoryLock(output, "another speculators_features run"):
+    monkeypatch.setattr(sys, "argv", ["another speculators_features run"])  # the command the holder's lock names
+    with DirectoryLock(output):
         refused = write_features(output, capsys, token_cache, "recipe=eagle3")
         assert_one_line_error(refused, 2, "is in use by another job (pid")
         assert [path.name for path in output.iterdir()] == [".draftsmith.lock"]
