@@ -111,7 +111,7 @@ class DirectoryLock:
     def __init__(self, directory: str | os.PathLike, key: Optional[str] = None):
         self.directory = Path(directory)
         self.path = self.directory / LOCK_NAME
-        self.command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])  # named by another job refused
+        self.command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])  # what a job it refuses is told
         self.key = key
         self._fd: Optional[int] = None
         self._created: list[Path] = []  # directories acquire() created, innermost first

@@ -38,7 +38,8 @@ GREEDY_DRAFTING = {"sglang": "SGLang drafts greedily at temperature > 0: its acc
 # not the engines of a row at temperature > 0, wherever vLLM serves it
 CPU_BUILD_SAMPLING = (
     "it samples a speculative request at temperature > 0 from another distribution than the target's "
-    "(vllm-project/vllm#55005): vLLM's GPU builds serve this row"
+    "(vllm-project/vllm#55005): the builds whose kernel spreads the sampling settings over the drafts serve this row "
+    "(its GPU builds' Triton one, read in vLLM's code)"
 )
 
 

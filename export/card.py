@@ -115,7 +115,7 @@ def cpu_build_serving(command: str, verified: Optional[dict[str, Any]]) -> list[
     sampling = (
         [f"Send it greedy requests only (temperature 0): vLLM's CPU build {version} samples a speculative request at "
          "temperature > 0 from another distribution than the target's (vllm-project/vllm#55005, measured by "
-         "draftsmith), where vLLM on a GPU samples it exactly.", ""]
+         "draftsmith; with that build's kernel mended, this kind of folder samples exactly).", ""]
         if version in VLLM_CPU_SAMPLING_FAULT else []
     )  # fmt: skip
     return [

@@ -2,7 +2,8 @@
 layers swapped for vLLM's): the architectures it builds so, and what it reads otherwise than transformers' model
 computes. The export passes `backend_overrides` to its check and the folder's serving command (`--hf-overrides`, the
 folder's `target_overrides`); `formats/versions.py` refuses the drafters whose proposers look for an embedding the
-backend's model names otherwise."""
+backend's model names otherwise, and `formats/draft_model.py` the draft models the backend cannot build beside their
+target."""
 
 from __future__ import annotations
 

@@ -690,8 +690,8 @@ def sampled_in_vllm(
     mended: bool = False,
 ) -> dict:
     """tests/vllm_sampling.py's counts of `rows` two-token draws of `prompt` at `temperature` from vLLM serving
-    `target` with the speculative config `speculative` (and, unless `mended`, without it); `mended`: with the CPU
-    build's kernel stand-in that spreads the sampling settings over the draft positions replaced (that script)."""
+    `target` with the speculative config `speculative`; `mended`: with the CPU build's kernel stand-in that spreads
+    the sampling settings over the draft positions replaced (that script)."""
     argv = [REPO / "tests" / "vllm_sampling.py", target, json.dumps(speculative), json.dumps(prompt), rows, 2,
             temperature, out, *(["--mended"] if mended else [])]  # fmt: skip
     ran = vllm_script(vllm_python, argv)

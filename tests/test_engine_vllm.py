@@ -67,7 +67,7 @@ CASES = {
                                                    "export.vllm_format=native"]),
 }  # fmt: skip
 SELF_DISTILLED = DEMO / "data" / "train.regenerated.jsonl.gz"  # the target's own answers: acceptance comes fast
-SAMPLED_ROWS = 2000  # sequences sampled in each run of the sampling test
+SAMPLED_ROWS = 2000  # sequences the sampling test draws from the mended build (500 suffice to show the fault)
 
 
 def common(output_dir: Path, small_data, token_cache) -> list[str]:
@@ -225,14 +225,14 @@ def test_vllm_samples_with_the_drafter_as_the_target_once_its_cpu_builds_samplin
     exported, vllm_python, target, tmp_path
 ):
     """Sampled speculation in the engine: the EAGLE-3 case's folder served as its card says, one prompt sampled
-    SAMPLED_ROWS times at temperature 0.8, the first two new tokens counted (the second is the first a draft is
-    verified for) against the target's own distribution. vLLM without the drafter samples it; with the drafter,
-    vLLM's CPU build 0.32 does not: its stand-in for the kernel that spreads each request's temperature over its draft
-    positions leaves them uninitialised (vllm-project/vllm#55005), and the card says so where the check ran in such a
-    build. With that stand-in replaced by one that writes them, vLLM's sampling with the drafter is the target's: the
-    folder itself is sampled exactly. formats/repo.py's VLLM_CPU_SAMPLING_FAULT names the builds whose stand-in fails,
-    kept equal to the installed one's. The draft model, which vLLM drafts from its probabilities, is sampled so in
-    tests/test_kinds_vllm.py."""
+    SAMPLED_ROWS times at temperature 0.8, the first two new tokens counted (the first is the prefill's, drawn as
+    without the drafter; the second is the first a draft is verified for) against the target's own distribution.
+    vLLM's CPU build 0.32 does not sample it: its stand-in for the kernel that spreads each request's temperature
+    over its draft positions leaves them uninitialised (vllm-project/vllm#55005), and the card says so where the
+    check ran in such a build (500 draws show it). With that stand-in replaced by one that writes them, vLLM's
+    sampling with the drafter is the target's: the folder itself is sampled exactly. formats/repo.py's
+    VLLM_CPU_SAMPLING_FAULT names the builds whose stand-in fails, kept equal to the installed one's. The draft model
+    and DFlash, which vLLM drafts from their probabilities, are sampled so in tests/test_kinds_vllm.py."""
     from draftsmith.formats.repo import VLLM_CPU_SAMPLING_FAULT
 
     _, _, folder = exported("eagle3")
@@ -241,11 +241,10 @@ def test_vllm_samples_with_the_drafter_as_the_target_once_its_cpu_builds_samplin
     speculative = json.loads(serve.split("--speculative-config '", 1)[1].rstrip("'"))
     prompt, temperature = [1, *range(300, 307)], 0.8
     built, mended = (
-        sampled_in_vllm(vllm_python, REFERENCE_TARGET, speculative, prompt, SAMPLED_ROWS, temperature,
+        sampled_in_vllm(vllm_python, REFERENCE_TARGET, speculative, prompt, rows, temperature,
                         tmp_path / f"{run}.json", mended=run == "mended")
-        for run in ("built", "mended")
+        for run, rows in (("built", 500), ("mended", SAMPLED_ROWS))
     )  # fmt: skip
-    assert min(two_token_pvalues(target, prompt, temperature, built["plain"]).values()) > 1e-3
     assert mended["accepted"] > SAMPLED_ROWS / 20  # drafts accepted (264 measured) and rejected: both branches ran
     exact = two_token_pvalues(target, prompt, temperature, mended["speculative"])
     assert min(exact.values()) > 1e-3, exact

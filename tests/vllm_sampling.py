@@ -1,13 +1,13 @@
-"""Run by vLLM's environment's Python for tests/test_engine_vllm.py (through helpers.vllm_script): one prompt sampled
-ROWS times, MAX_TOKENS new tokens each, at TEMPERATURE, by vLLM plain and with the folder's speculative config; the
-sampled sequences counted, written as JSON to OUT.
+"""Run by vLLM's environment's Python for the engine tests (through helpers.vllm_script): one prompt sampled ROWS times,
+MAX_TOKENS new tokens each, at TEMPERATURE, by vLLM with the folder's speculative config (the first token is the
+prefill's, drawn as without the drafter); the sampled sequences counted, written as JSON to OUT.
 
     python vllm_sampling.py TARGET SPECULATIVE_CONFIG_JSON PROMPT_JSON ROWS MAX_TOKENS TEMPERATURE OUT [--mended]
 
 `--mended`: the speculative run only, with the CPU build's stand-in for the Triton kernel that spreads each request's
 sampling settings over its draft positions (`vllm.utils.cpu_triton_utils._expand_kernel_impl`) replaced, before the
-engine registers it, by one that writes the caller's tensor in its own dtype. Without it, the output also says whether
-that stand-in writes a float tensor (`expand_writes_floats`: vllm-project/vllm#55005 is that it does not)."""
+engine registers it, by one that writes the caller's tensor in its own dtype. The output also says whether the stand-in
+registered writes a float tensor (`expand_writes_floats`: vllm-project/vllm#55005 is that the build's does not)."""
 
 import collections
 import json
@@ -56,13 +56,8 @@ def main() -> None:
     prompt, rows, max_tokens, temperature = json.loads(prompt), int(rows), int(max_tokens), float(temperature)
     engine = dict(model=target, dtype="float32", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True,
                   seed=0, gpu_memory_utilization=0.3, disable_log_stats=False)  # fmt: skip
-    result = {"vllm_version": vllm.__version__}
-    if not mended:
-        plain = LLM(**engine)
-        result["plain"] = sampled(plain, prompt, rows, max_tokens, temperature)
-        result["expand_writes_floats"] = expand_writes_floats()  # the build's stand-ins are registered by now
-        plain.llm_engine.engine_core.shutdown()  # its memory back before the next engine sizes its KV cache
     llm = LLM(**engine, speculative_config=json.loads(speculative))
+    result = {"vllm_version": vllm.__version__, "expand_writes_floats": expand_writes_floats()}  # stand-ins registered
     result["speculative"] = sampled(llm, prompt, rows, max_tokens, temperature)
     result["accepted"] = accepted(llm)
     with open(out, "w") as file:
