@@ -32,6 +32,7 @@ import torch
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks.vllm_sampled_exactness import chi_square_pvalue, engine_argv, two_token_pvalues  # noqa: F401
 from draftsmith.caches import cached_length
 from draftsmith.eval.loop import generate, generate_batch, prefill, propose, verify_step
 from draftsmith.eval.sampling import Sampling
@@ -664,21 +665,6 @@ class NearTargetDrafter(Proposer):
         return DraftTree.chain(torch.tensor(tokens), torch.stack(probs) if self.stochastic else None)
 
 
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's test with the cells expected to hold fewer than 5 samples pooled into one."""
-    from scipy import stats  # 1.5 s of import: not in the collection of every module that imports this one
-
-    probs = probs.flatten().double()
-    counts, expected = counts.flatten().double(), probs / probs.sum() * counts.sum()  # float32 rounding
-    if counts[expected == 0].sum() > 0:  # a sequence the target can never produce
-        return 0.0
-    small = expected < 5
-    observed = torch.cat([counts[~small], counts[small].sum()[None]])
-    expected = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = expected > 0
-    return float(stats.chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue)
-
-
 def sampled_in_vllm(
     vllm_python: str,
     target: Path,
@@ -689,29 +675,12 @@ def sampled_in_vllm(
     out: Path,
     mended: bool = False,
 ) -> dict:
-    """tests/vllm_sampling.py's counts of `rows` two-token draws of `prompt` at `temperature` from vLLM serving
+    """benchmarks/vllm_sampling.py's counts of `rows` two-token draws of `prompt` at `temperature` from vLLM serving
     `target` with the speculative config `speculative`; `mended`: with the CPU build's kernel stand-in that spreads
     the sampling settings over the draft positions replaced (that script)."""
-    argv = [REPO / "tests" / "vllm_sampling.py", target, json.dumps(speculative), json.dumps(prompt), rows, 2,
-            temperature, out, *(["--mended"] if mended else [])]  # fmt: skip
-    ran = vllm_script(vllm_python, argv)
+    ran = vllm_script(vllm_python, engine_argv(target, speculative, prompt, rows, temperature, out, mended))
     assert ran.returncode == 0, ran.stderr[-3000:]
     return json.loads(out.read_text())
-
-
-def two_token_pvalues(model, prompt: list[int], temperature: float, sampled: dict[str, int]) -> dict[str, float]:
-    """Chi-square p-values of two-token draws (`sampled`: JSON token lists -> counts) against `model`'s exact
-    distribution at `temperature`: of the first token, of the second (the first a draft is verified for) and of both."""
-    with torch.no_grad():  # P(x1), and P(x2 | x1) for every x1
-        first = (model(torch.tensor([prompt])).logits[0, -1] / temperature).softmax(-1)
-        rows = torch.cat([torch.tensor(prompt).expand(len(first), -1), torch.arange(len(first))[:, None]], 1)
-        second = torch.cat([(model(chunk).logits[:, -1] / temperature).softmax(-1) for chunk in rows.split(512)])
-    joint = first[:, None] * second
-    table = torch.zeros_like(joint)
-    for tokens, n in sampled.items():
-        table[tuple(json.loads(tokens))] += n
-    return {"x1": chi_square_pvalue(table.sum(1), first), "x2": chi_square_pvalue(table.sum(0), joint.sum(0)),
-            "x1 x2": chi_square_pvalue(table, joint)}  # fmt: skip
 
 
 def exactness_pvalues(counts: torch.Tensor, joint: torch.Tensor) -> dict[str, float]:

@@ -152,6 +152,19 @@ def test_peer_ablation_stops_in_one_line_without_the_speculators_checkpoint(tmp_
     assert not runs.exists()  # nothing trained, nothing written
 
 
+def test_sampled_exactness_refuses_a_folder_without_a_serving_line_before_vllm_starts(tmp_path, monkeypatch, capsys):
+    """benchmarks/vllm_sampled_exactness.py serves a folder as its card's `vllm serve` line says, or not at all."""
+    sampled = benchmark("vllm_sampled_exactness", monkeypatch)
+    (tmp_path / "README.md").write_text("# a card\n\nvllm serve a --x 1\nvllm serve b --x 2\n")
+    argv = ["--vllm-python", "/no/python", "--folder", str(tmp_path), "--out", str(tmp_path / "rows.jsonl")]
+    result = exits(sampled.main, argv, monkeypatch, capsys)
+    assert_one_line_error(result, 2, f"{tmp_path} is not a vLLM export folder: its README.md has no one `vllm serve`")
+    (tmp_path / "README.md").write_text("""vllm serve t --speculative-config '{"method": "eagle3"}'\n""")
+    result = exits(sampled.main, [*argv, "--data", str(tmp_path / "none.jsonl")], monkeypatch, capsys)
+    assert_one_line_error(result, 2, f"--data {tmp_path / 'none.jsonl'} is not a file")
+    assert not (tmp_path / "rows.jsonl").exists()
+
+
 def source_of(kind: str, target_dir, **config) -> Source:
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     cls = drafter_class(kind)
@@ -188,6 +201,22 @@ def test_draftsmiths_acceptance_is_listed_at_every_position_up_to_gamma_as_vllm_
     source = source_of("medusa", REFERENCE_TARGET, num_heads=4)
     ours = draftsmith_side(source, [[1, 5, 9, 17], [1, 8, 40, 2]], 12, 4, frozenset())
     assert len(ours["at_least"]) == 4 and ours["at_least"][-1] == 0.0
+
+
+def test_the_sampled_acceptance_benchmarks_loop_at_temperature_0_counts_as_the_export_check(monkeypatch):
+    """benchmarks/vllm_sampled_acceptance.py's side in draftsmith's loop (the first token from the prefill, then the
+    chains), greedy, is the export check's: the same τ and per-position rates on the same prompts."""
+    from draftsmith.export.verify import draftsmith_side
+
+    sampled = benchmark("vllm_sampled_acceptance", monkeypatch)
+    source = source_of("draft_model", REFERENCE_TARGET)  # the target's first layer: drafts accepted and rejected
+    prompts = [[1, 5, 9, 17], [1, 8, 40, 2], [1, 300, 301, 302]]
+    checked = draftsmith_side(source, prompts, 16, 3, frozenset())
+    with torch.no_grad():
+        rows = sampled.draftsmith_side(source.target_model, source.drafter, prompts, 1, 16, 3, 0.0)
+    ours = sampled.summary(rows)
+    assert 1 < checked["tau"] < 4 and ours["tau"] == pytest.approx(checked["tau"])
+    assert ours["accepted_at_position"] == pytest.approx(checked["at_least"])
 
 
 def test_target_matrix_out_is_relative_to_the_current_directory(tmp_path, monkeypatch, capsys):
@@ -459,7 +488,10 @@ def test_standard_protocols_time_stage_times_plain_again_last_as_its_noise(tmp_p
 
 
 VLLM_BENCHMARKS = ("export_vllm", "load_sweep", "parallel_drafting", "peer_speculators", "regenerate_engines",
-                   "standard_protocol", "vllm_gemma4_assistant", "vllm_mla_rope", "capture_engines")  # fmt: skip
+                   "standard_protocol", "vllm_gemma4_assistant", "vllm_mla_rope", "capture_engines",
+                   "vllm_sampled_exactness", "vllm_sampled_acceptance")  # fmt: skip
+# a benchmark's other required arguments
+OTHER_REQUIRED = {name: ["--folder", "export"] for name in ("vllm_sampled_exactness", "vllm_sampled_acceptance")}
 
 
 def test_every_benchmark_that_runs_vllm_reads_its_python_alike(tmp_path, monkeypatch):
@@ -476,12 +508,13 @@ def test_every_benchmark_that_runs_vllm_reads_its_python_alike(tmp_path, monkeyp
         main = benchmark(name, monkeypatch).main
         parsed.clear()
         monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
-        monkeypatch.setattr(sys, "argv", [f"{name}.py", "--vllm-python", "venv/bin/python"])
+        other = OTHER_REQUIRED.get(name, [])
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", "--vllm-python", "venv/bin/python", *other])
         with pytest.raises(SystemExit):
             main()
         assert parsed["vllm_python"] == str(tmp_path / "venv/bin/python"), name
         monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
-        monkeypatch.setattr(sys, "argv", [f"{name}.py"])
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", *other])
         with pytest.raises(SystemExit) as ended:
             main()
         assert ended.value.code == 2, name  # argparse: the required argument missing

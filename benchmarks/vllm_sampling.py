@@ -1,4 +1,5 @@
-"""Run by vLLM's environment's Python for the engine tests (through helpers.vllm_script): one prompt sampled ROWS times,
+"""Run by vLLM's environment's Python (by benchmarks/vllm_sampled_exactness.py, and by the engine tests through
+helpers.vllm_script): one prompt sampled ROWS times,
 MAX_TOKENS new tokens each, at TEMPERATURE, by vLLM with the folder's speculative config (the first token is the
 prefill's, drawn as without the drafter); the sampled sequences counted, written as JSON to OUT.
 
