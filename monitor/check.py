@@ -51,7 +51,7 @@ from draftsmith.monitor.drift import (
 )
 from draftsmith.monitor.metrics import collect, engine_version, window
 from draftsmith.monitor.redeploy import AWAITING, awaiting_action, note_restarts
-from draftsmith.monitor.reverify import engine_change, reverify_action
+from draftsmith.monitor.reverify import engine_change, faulty_sampling, reverify_action
 from draftsmith.monitor.state import State, iso_seconds, set_stateless_checks_aside
 from draftsmith.monitor.traffic import require_traffic_dir, sample, write_conversations
 from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock
@@ -261,6 +261,8 @@ def measure_engine(
     if serving.reports_version:
         engine["versions"] = {url: engine_version(url) for url in urls}
         change = engine_change(deployed, engine["versions"])
+    if engine["verdict"] == DRIFT and change is None and (fault := faulty_sampling(deployed)):
+        engine["sampling_fault"] = fault
     state.counters = current
     return engine, judged, change
 
@@ -317,9 +319,10 @@ def record_check(
     }
     if drift:
         state.last_check["reason"] = record["decision"]["reason"]
-    note = (record.get("traffic") or {}).get("free_baselines", {}).get("note")
-    if note:
-        state.last_check["note"] = note
+    notes = [(record.get("traffic") or {}).get("free_baselines", {}).get("note")]
+    notes.append(drift and (record.get("engine") or {}).get("sampling_fault"))
+    if any(notes):
+        state.last_check["note"] = "; ".join(note for note in notes if note)
     state.save(directory)
 
 

