@@ -6,6 +6,7 @@ imports torch."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import typing
 from collections.abc import Sequence
@@ -28,7 +29,9 @@ def recipe_path(name: str) -> Path:
         path = recipes_dir() / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
-        raise UserError(f"recipe {name!r} not found ({path}); shipped recipes: {', '.join(known)}")
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        guess = f": did you mean {close[0]}?" if close and candidate.suffix not in (".yaml", ".yml") else ""
+        raise UserError(f"recipe {name!r} not found ({path}){guess}; the shipped recipes are {', '.join(known)}")
     return path.resolve()
 
 

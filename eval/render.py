@@ -292,7 +292,7 @@ def conclusion(report: dict[str, Any]) -> list[str]:
             why += (
                 f"; {FREE_FASTER}: {FREE_BASELINES[strongest]}"
                 if beyond_noise(free[strongest], 1.0)
-                else f"; {FREE_BASELINES[strongest]} is faster than the drafter, though not than plain decoding"
+                else f"; {FREE_BASELINES[strongest]} is faster than the drafter, though within plain decoding's noise"
             )
     return [f"**Result:** {measured}: no wall-clock win on {report['device']}: {why}{unmeasured}.", ""]
 

@@ -120,7 +120,8 @@ def cpu_build_serving(command: str, verified: Optional[dict[str, Any]]) -> list[
     )  # fmt: skip
     return [
         f"With vLLM's CPU build (`{CPU_BUILD}`, which the check below ran), whose `vllm` command stops at start, the "
-        "same server runs from its module (host memory for its cache, eager):",
+        "same server runs from its module (host memory for its cache, eager), by the Python of the environment "
+        f"{CPU_BUILD} is installed in (the export's `export.vllm_python`; draftsmith's own has no vLLM):",
         "",
         "```bash",
         vllm_cpu_serve(command),
@@ -143,6 +144,13 @@ def gamma_note(engine: str, gamma: int, recommended: Optional[dict[str, Any]]) -
             f"`export.num_speculative_tokens={recommended[engine]}` to serve the recommended one."
             if recommended[engine] != gamma
             else "The command above serves it."
+        )
+        + (
+            f" By these figures no γ decodes faster than the target alone ({recommended['expected_speedup']} tokens "
+            "per unit of cost at best): draftsmith's loop's costs are not the engine's, so measure the served speed "
+            "(`draftsmith sweep`) before serving it."
+            if recommended.get("expected_speedup", 1) < 1
+            else ""
         ),
         "",
     ]

@@ -7,7 +7,8 @@ one token per forward (EAGLE, a draft model), one for a drafter that proposes th
 (Medusa, DFlash), read off the report's draft_forwards_per_cycle. Their cost c relative to a target
 forward comes from the same report: the chain's extra wall time per cycle over plain decoding's, per
 draft forward (so it also carries the wider verify forward). The recommendation is the γ in 1..(the
-report's γ) with the most tokens per unit of cost, E(γ) / (1 + c·d(γ)); longer chains were not
+report's γ) with the most tokens per unit of cost, E(γ) / (1 + c·d(γ)) (below 1 at every γ: the loop decodes faster
+without the drafter, which the card says); longer chains were not
 measured, so they are not recommended. Every engine verifies the same chain, so the choice is the same
 for each engine that serves the drafter's chains (`chain_engines`: an MTP drafter's is vLLM alone); the
 costs are draftsmith's loop's on the eval's device, which an engine changes
@@ -57,6 +58,7 @@ def recommended_gamma(report: Optional[dict[str, Any]], engines: Sequence[str]) 
         **dict.fromkeys(engines, best),
         "tokens_per_cycle": {str(g): round(expected[g], 4) for g in value},
         "draft_forward_cost": round(cost, 4),
+        "expected_speedup": round(value[best], 4),  # the best γ's tokens per unit of cost: below 1, slower than plain
         "draft_forwards_per_cycle": "γ" if sequential else round(per_cycle_forwards, 4),
         "rule": "argmax over γ <= the measured γ of E(γ) / (1 + cost·draft forwards); costs from draftsmith's eval on "
         + str(report.get("device")),

@@ -6,7 +6,7 @@ Exit codes (monitor.Outcome): 0 healthy, 10 drift (waiting), 11 retrained but no
 12 retrained and promoted (redeploy), 13 re-verify: the engine is not the one the export was checked
 in (nothing was judged; the line says what to run), 2 bad input, 69 an engine that does not answer
 or answers with a server error (temporary: retry), 75 stopped on SIGTERM (during a retraining: the
-next check resumes it; `watch`: once the check in progress is done), and as every command 3, 4, 70,
+next check resumes it; `watch`: a check in progress stops as `check` does), and as every command 3, 4, 70,
 74 (docs/faults.md). `watch` exits only on bad input or a signal; an engine that does not answer is one
 line (`engine unavailable: ...`) and the next check tries again, and so is a Hugging Face Hub out of reach
 (`Hub unavailable: ...`: a one-off `check` exits 69) and a state directory another check holds

@@ -81,6 +81,8 @@ def recipe_drafter(cfg: DictConfig) -> dict[str, Any]:
         raise UserError(
             "the monitor watches a deployed export: give checkpoint=DIR, the export's vllm/ or sglang/ folder"
         )
+    if not Path(folder).exists():
+        raise UserError(f"checkpoint={folder!r} does not exist: give the deployed export's vllm/ or sglang/ folder")
     if not (Path(folder) / EXPORT_INFO).is_file():
         raise UserError(
             f"checkpoint={folder!r} is not an export folder (an export's vllm/ or sglang/ holding {EXPORT_INFO})"

