@@ -85,6 +85,7 @@ def vllm_side(python: str, target: str, speculative: dict, prompts, repeats, max
 def draftsmith_side(target_model, drafter, prompts, repeats: int, max_new: int, gamma: int, temperature: float):
     """Each repeat's draft counters in draftsmith's loop, on vLLM's schedule: the first new token sampled from the
     prefill without a draft, then the drafter's chains of `gamma` after it."""
+    from draftsmith.eval.counts import Counts
     from draftsmith.eval.loop import generate_batch
     from draftsmith.eval.sampling import Sampling
 
@@ -95,13 +96,13 @@ def draftsmith_side(target_model, drafter, prompts, repeats: int, max_new: int, 
         first = generate_batch(verifier, prompts, 1, sampling=sampling, seeds=seeds)
         drafted = [prompt + row.tokens[:1] for prompt, row in zip(prompts, first)]
         proposers = [drafter.proposer(temperature) for _ in drafted]  # one a sequence: each holds its state
-        counts = [row.counts for row in generate_batch(verifier, drafted, max_new - 1, proposers, gamma, None, sampling,
-                                                       seeds=[seed + 1 for seed in seeds])]  # fmt: skip
-        depth = max(len(c.reached) for c in counts)
-        rows.append({"drafts": sum(c.reached[0] if c.reached else 0 for c in counts),
-                     "accepted": sum(c.accepted for c in counts),
-                     "accepted_at": [sum(c.accepted_at[d] if d < len(c.accepted_at) else 0 for c in counts)
-                                     for d in range(max(depth, gamma))][:gamma]})  # fmt: skip
+        counts = Counts()
+        for row in generate_batch(verifier, drafted, max_new - 1, proposers, gamma, None, sampling,
+                                  seeds=[seed + 1 for seed in seeds]):  # fmt: skip
+            counts.add(row.counts)
+        # the loop's counters end at the deepest position a cycle reached; vLLM's count every position up to γ
+        rows.append({"drafts": counts.reached[0] if counts.reached else 0, "accepted": counts.accepted,
+                     "accepted_at": (counts.accepted_at + [0] * gamma)[:gamma]})  # fmt: skip
     return rows
 
 
