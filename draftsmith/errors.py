@@ -76,8 +76,7 @@ class OutOfMemory(Exception):
 
 
 class InternalError(Exception):
-    """Something that cannot happen did (a draftsmith bug); exit EXIT_INTERNAL with the traceback kept.
-    Any exception that is none of the above is treated the same way."""
+    """Something that cannot happen did (a draftsmith bug), as does any exception not above: exit EXIT_INTERNAL."""
 
 
 class Preempted(BaseException):
@@ -91,13 +90,12 @@ class PreemptedWhereItWas(Preempted):
     (`how_to_continue`): a command that knows what it kept says so instead (train: `after_interrupt`)."""
 
 
-# The exit codes (docs/faults.md): 2 = fix the input; 3 = a correctness check failed (the eval's lossless
-# check, the export's engine check: a bug to report); 4 = training diverged; 10/11/12/13 = monitor outcomes
-# (monitor/check.py); 69 (EX_UNAVAILABLE) = an engine or the Hugging Face Hub the job needs is down, retry
-# later; 70 (EX_SOFTWARE) = a draftsmith bug, traceback in a log file; 71 (EX_OSERR) = out of memory, a device's
-# or the host's, rerun with less a step; 74 (EX_IOERR) = an output could not be written (disk full), free space
-# and rerun; 75 (EX_TEMPFAIL) = stopped on request after saving, requeue the same command (train.resume=true for
-# training); 130 = Ctrl-C.
+# The exit codes (docs/faults.md): 2 = fix the input; 3 = a correctness check failed (the eval's lossless check, the
+# export's engine check: a bug to report); 4 = training diverged; 10/11/12/13 = monitor outcomes (monitor/check.py);
+# 69 (EX_UNAVAILABLE) = an engine or the Hugging Face Hub the job needs is down, retry later; 70 (EX_SOFTWARE) = a
+# draftsmith bug, traceback in a log file; 71 (EX_OSERR) = out of memory, a device's or the host's, rerun with less a
+# step; 74 (EX_IOERR) = an output could not be written (disk full), free space and rerun; 75 (EX_TEMPFAIL) = stopped
+# on request after saving, requeue the same command (train.resume=true for training); 130 = Ctrl-C.
 EXIT_USER_ERROR = 2
 EXIT_CHECK_FAILED = 3
 EXIT_DIVERGED = 4
@@ -117,7 +115,7 @@ RUN_AGAIN = "run the same command again to continue (a training run: with train.
 # not the same command again
 CONTINUE = {
     "train": "run the same command with train.resume=true to continue",
-    "monitor": "run the same command again to continue (a retraining it was in resumes)",
+    "monitor": "run the same command again to continue (a retraining it stopped, if any, resumes)",
 }
 # Python's import system: a frame of one of these on the main thread's stack means that a module is being imported
 IMPORT_SYSTEM = frozenset({"importlib._bootstrap", "importlib._bootstrap_external"})
@@ -252,6 +250,7 @@ def freeze_heap_at_exit() -> None:
 
 
 def _run(main: Callable[[Sequence[str]], object], argv: list[str], command: str) -> int | str | None:
+    spare_line = out_of_memory_line(MemoryError(), command)  # exit 71's, made while memory is to spare
     try:
         # inside the try: a Ctrl-C landing while the handlers go in is its line too, not a traceback (it was, in CI);
         # SIGINT's first, so that a process seen handling SIGTERM handles both
@@ -283,7 +282,9 @@ def _run(main: Callable[[Sequence[str]], object], argv: list[str], command: str)
         try:
             code, line = outcome(err, command)
         except MemoryError:  # deciding takes memory too (an import, a log file): the error's own class then decides
-            code, line = classified(err, command) or (EXIT_OUT_OF_MEMORY, out_of_memory_line(err, command))
+            code, line = EXIT_OUT_OF_MEMORY, spare_line  # where none is left for its own line either
+            with contextlib.suppress(MemoryError):
+                code, line = classified(err, command) or (EXIT_OUT_OF_MEMORY, out_of_memory_line(err, command))
         print(line, file=sys.stderr)
         return code
     return 0
@@ -394,10 +395,9 @@ def out_of_memory(err: BaseException) -> bool:
 
 
 def space_left(path: str | os.PathLike) -> str | None:
-    """`N MiB free` on the file system that holds `path` (its nearest folder that exists: the file a full disk
-    refused is often removed, or never made), None where it cannot be read. A full disk's line says it: the disk
-    may have room again, or the file system that filled may not be the one the user looked at (a cache on another
-    disk than the output)."""
+    """`N MiB free` on the file system that holds `path` (its nearest folder that exists: the file a full disk refused
+    is often removed, or never made), None where it cannot be read. A full disk's line says it: the disk may have room
+    again, or the file system that filled may not be the one the user looked at (a cache on another disk)."""
     try:
         folder = os.path.abspath(os.fsdecode(path))
         while not os.path.isdir(folder) and os.path.dirname(folder) != folder:

@@ -279,6 +279,14 @@ def test_memory_exhausted_while_the_outcome_is_decided_is_still_71(checkpoint, t
     monkeypatch.setattr(errors, "hub_unreachable", lambda err: False)
     assert_one_line_error(export(checkpoint, tmp_path, capsys), 71, prefix="out of memory: MemoryError; give each")
 
+    def no_memory_for_the_line(err, command):
+        raise MemoryError
+
+    monkeypatch.setattr(errors, "hub_unreachable", no_memory_left)  # none to spare for the line either: the one
+    monkeypatch.setattr(errors, "classified", no_memory_for_the_line)  # made as the command started
+    line = assert_one_line_error(export(checkpoint, tmp_path, capsys), 71, prefix="out of memory: MemoryError; give")
+    assert "run the same command again to continue" in line
+
 
 def test_an_error_chain_made_into_a_loop_is_walked_once(tmp_path, monkeypatch):
     """A cause chain looped by hand was walked forever by each of the four walks of it (the stop behind an error, the

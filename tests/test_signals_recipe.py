@@ -25,7 +25,7 @@ KEPT = "preempted: stopped on SIGTERM; what was finished is kept: "
         (
             ["-m", "monitor", "check"],
             "compose",
-            "run the same command again to continue (a retraining it was in resumes)",
+            "run the same command again to continue (a retraining it stopped, if any, resumes)",
         ),
     ],
     ids=["train-yaml", "export-omegaconf", "monitor-yaml"],
