@@ -90,7 +90,11 @@ def served_as_carded(folder: Path) -> tuple[str, dict]:
     card = readme.read_text().splitlines() if readme.is_file() else []
     lines = [line for line in card if line.startswith("vllm serve ")]
     if len(lines) != 1:
-        fail(EXIT_USER_ERROR, f"{folder} is not a vLLM export folder: its README.md has no one `vllm serve` line")
+        inside = f" (give {folder / 'vllm'}, the export's vLLM folder)" if (folder / "vllm").is_dir() else ""
+        fail(
+            EXIT_USER_ERROR,
+            f"{folder} is not a vLLM export folder: its README.md has no one `vllm serve` line" + inside,
+        )
     words = shlex.split(lines[0])
     return words[2], json.loads(words[words.index("--speculative-config") + 1])
 

@@ -26,6 +26,7 @@ interrupted with Ctrl-C; `monitor check` adds its outcomes 10, 11, 12, 13.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import logging
 import os
@@ -120,7 +121,21 @@ def entry_point(
                 print(resolved, end="")
 
         run_cli(print_resolved, [arg for arg in argv if arg != "--cfg"])
+    stop_with_the_launcher()
     run_cli(main, argv, command)
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2)'s option: the signal the kernel sends a process when its parent dies
+
+
+def stop_with_the_launcher() -> None:
+    """A rank that torch-elastic started (`accelerate launch --multi_gpu`, `torchrun`) is sent SIGTERM by the kernel
+    when its launcher dies, which stops it as a scheduler's SIGTERM does (training: a checkpoint, exit 75).
+    torch-elastic starts each rank in a session of its own, so a launcher killed with its process group (`kill -9`,
+    a scheduler's) left the ranks training, holding output_dir, and the requeued run was refused. Linux only; the
+    launcher starts its ranks from its main thread, whose end is what the kernel signals."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def run_module(module: str, usage: str, command: str = "", positional: int = 0) -> NoReturn:

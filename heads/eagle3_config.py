@@ -11,6 +11,7 @@ from draftsmith.heads import register_config
 from draftsmith.heads.config import (
     DrafterConfig,
     check_mask_token,
+    check_steps_ahead,
     check_tap_layers,
     check_tree_settings,
     refuse_unread,
@@ -75,10 +76,7 @@ class Eagle3Config(DrafterConfig):
     def check(self, target: Optional[TargetShape] = None) -> None:
         check_tree_settings(self)
         layer_family(self.layer_family, self.type)
-        if self.ttt_steps < 1 or self.ttt_decay <= 0:
-            raise UserError(
-                f"drafter.ttt_steps must be >= 1 and ttt_decay > 0 (got {self.ttt_steps}, {self.ttt_decay})"
-            )
+        check_steps_ahead(self)
         if self.ttt_attention not in BACKENDS:
             raise UserError(f"drafter.ttt_attention={self.ttt_attention!r} must be one of {', '.join(BACKENDS)}")
         if self.draft_vocab_size < 1:

@@ -159,6 +159,9 @@ def test_sampled_exactness_refuses_a_folder_without_a_serving_line_before_vllm_s
     argv = ["--vllm-python", "/no/python", "--folder", str(tmp_path), "--out", str(tmp_path / "rows.jsonl")]
     result = exits(sampled.main, argv, monkeypatch, capsys)
     assert_one_line_error(result, 2, f"{tmp_path} is not a vLLM export folder: its README.md has no one `vllm serve`")
+    (tmp_path / "vllm").mkdir()  # export.output given: the line names the vLLM folder the export wrote in it
+    result = exits(sampled.main, argv, monkeypatch, capsys)
+    assert_one_line_error(result, 2, f"`vllm serve` line (give {tmp_path / 'vllm'}, the export's vLLM folder)")
     (tmp_path / "README.md").write_text("""vllm serve t --speculative-config '{"method": "eagle3"}'\n""")
     result = exits(sampled.main, [*argv, "--data", str(tmp_path / "none.jsonl")], monkeypatch, capsys)
     assert_one_line_error(result, 2, f"--data {tmp_path / 'none.jsonl'} is not a file")

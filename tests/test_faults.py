@@ -10,9 +10,11 @@ a key that does not exist, and `draftsmith` without a command."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
+import os
 import random
 import re
 import shutil
@@ -241,6 +243,67 @@ def test_training_killed_anywhere_resumes_into_the_same_run(tmp_path, small_data
         resumed = load_file(str(out / "final" / "model.safetensors"))
         assert all(resumed[name].equal(weights[name]) for name in weights), trial
     assert any(landed), "no kill landed mid-run: every trial finished first or was killed before writing"
+
+
+@pytest.mark.slow
+def test_ranks_whose_launcher_is_killed_with_its_group_stop_as_on_sigterm(tmp_path, small_data, token_cache):
+    """torch-elastic (`accelerate launch --multi_gpu`, torchrun) starts each rank in a session of its own: a launcher
+    killed with its process group (`kill -9`, a scheduler's) left both ranks training and holding output_dir, and the
+    requeued resume was refused as the directory's holder. The kernel now sends each rank SIGTERM as its launcher
+    dies (draftsmith/cli.py `stop_with_the_launcher`): each checkpoints with the other and stops (exit 75)."""
+    out = tmp_path / "run"
+    launch = ["python", "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+              "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29523", "train.py",
+              *train_args(out, small_data, token_cache, "train.max_steps=100000", "data.eval=[]")]  # fmt: skip
+    with (tmp_path / "launch.log").open("w") as log:
+        launcher = subprocess.Popen(launch, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 600
+        while not read_log_quietly(out) or len(ranks) < 2:  # a step logged: both ranks train
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "launch.log").read_text()
+            ranks = children_of(launcher.pid)
+            time.sleep(0.2)
+        os.killpg(launcher.pid, signal.SIGKILL)  # as a scheduler ends a job: the launcher's group, no handler
+        launcher.wait()
+        deadline = time.monotonic() + 300
+        while any(running(pid) for pid in ranks):
+            assert time.monotonic() < deadline, "the ranks went on training after their launcher was killed"
+            time.sleep(0.2)
+    finally:
+        for pid in [launcher.pid, *ranks]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    said = (tmp_path / "launch.log").read_text()
+    assert said.count("preempted: stopped on SIGTERM after step") == 2, said[-3000:]
+    stopped_at = int(re.search(r"after step (\d+)", said).group(1))
+    assert (out / "checkpoints" / f"step_{stopped_at:07d}" / "trainer_state.json").is_file()  # the resume's
+
+
+def read_log_quietly(output_dir: Path) -> dict:
+    """The run's logged steps so far, none before its log is written."""
+    try:
+        return read_log(output_dir)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux's /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` still runs: a zombie (ended, not yet reaped by the init process that adopted it) does not."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.slow

@@ -67,6 +67,10 @@ def test_train_py_from_features(captured, small_data, token_cache, tmp_path, cap
     online_out = tmp_path / "online_run"
     online = run_entry_in_process(["train.py", *train_args(online_out, small_data, token_cache, *SIX_STEPS)], capsys)
     assert online.returncode == 0, online.stderr[-2000:]
+    # into a file (pytest's capture) the bar is a line at most every 30 s (draftsmith/progress.py), its first and its
+    # last here: the loss shown at each logged step (train.log_every=1) wrote one more line a step, two for some
+    bars = [line for line in online.stderr.splitlines() if line.startswith("train:")]
+    assert len(bars) <= 3 and "6/6" in bars[-1] and "loss=" in bars[-1], bars
     offline_loss = [
         json.loads(line)["train/loss"]
         for line in (out / "log.jsonl").read_text().splitlines()

@@ -231,6 +231,8 @@ def test_a_resumed_runs_folder_that_cannot_be_written_in_is_one_line_before_anyt
         (["recipe=eagle3", "drafter.aux_layers=[0,4]"], "layer id(s) [4] out of range for a target with 4 layers"),
         (["recipe=eagle3", "drafter.aux_layers=null"], "default aux layers [1, L//2-1, L-4] = [1, 1, 0]"),
         (["recipe=eagle3", "drafter.ttt_steps=0"], "drafter.ttt_steps must be >= 1"),
+        # a decay past 1 weighed the later steps more: a loss 8 times the usual, read as a typo of 0.5
+        (["recipe=eagle3", "drafter.ttt_decay=1.5"], "drafter.ttt_decay=1.5 must be in (0, 1]"),
         # P-EAGLE's mask_hidden in no loss: DDP refused it at a multi-process launch's second step
         (
             ["recipe=eagle3", "drafter.parallel_drafting=true", "drafter.mask_token_id=1", "drafter.ttt_steps=1"],

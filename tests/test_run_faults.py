@@ -119,6 +119,11 @@ def test_a_resume_keyword_or_path_passes_the_recipe_check_and_a_missing_path_is_
     result = run_entry_in_process(
         ["train.py", "recipe=medusa", f"output_dir={tmp_path / 'run'}", f"train.resume={missing}"], capsys
     )
+    assert_one_line_error(result, 2, f"train.resume='{missing}' does not exist; give a checkpoint's folder, or train")
+    missing.mkdir(parents=True)
+    result = run_entry_in_process(
+        ["train.py", "recipe=medusa", f"output_dir={tmp_path / 'run'}", f"train.resume={missing}"], capsys
+    )
     assert_one_line_error(result, 2, f"train.resume='{missing}' is not a complete checkpoint (no trainer_state.json)")
 
 

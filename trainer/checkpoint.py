@@ -324,6 +324,8 @@ def _resume_checkpoint(output_dir: Path, resume: Optional[str]) -> Optional[Path
             " above name their files); start over with train.overwrite=true (the run is moved aside)"
         )
     path = Path(resume)
+    if not path.exists():
+        raise UserError(f"train.resume={resume!r} does not exist; give a checkpoint's folder, or train.resume=true")
     if not (path / STATE_NAME).is_file():
         raise UserError(f"train.resume={resume!r} is not a complete checkpoint (no {STATE_NAME})")
     return verified(

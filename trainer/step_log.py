@@ -65,7 +65,7 @@ def log_interval(run: Run, meters: Meters, flops: FlopCounter, progress) -> dict
         metrics["mfu"] = mfu(per_token, metrics["tokens_per_s"], cfg.train.peak_tflops, accelerator.num_processes)
     metrics["peak_memory_mb"] = peak_memory_mb(accelerator.device)  # this rank's
     if "loss" in metrics:
-        progress.set_postfix(loss=f"{metrics['loss']:.3f}")
+        progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)  # shown by the bar's next redraw
     meters.reset()
     return {f"train/{k}": v for k, v in metrics.items()}
 
