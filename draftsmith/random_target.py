@@ -41,7 +41,7 @@ from safetensors import SafetensorError
 
 from draftsmith.causal_lm import may_be_a_causal_lm, no_causal_lm, register_misfiled_causal_lms, wraps_a_text_model
 from draftsmith.declared_fields import declare_as_released
-from draftsmith.errors import UserError, one_line, run_cli
+from draftsmith.errors import Preempted, PreemptedWhereItWas, UserError, one_line, run_cli
 from draftsmith.families import text_config
 from draftsmith.files import publish_folder, staging
 from draftsmith.outputs import check_output_dir
@@ -289,6 +289,11 @@ def write_command(argv: list[str]) -> None:
         except (AttributeError, TypeError, ValueError, IndexError, KeyError, StopIteration) as err:
             # the family's own code at a tiny shape (a sub-config it reads a field of that the tiny one lacks)
             raise UserError(f"cannot build a tiny {args.model_type} target: {one_line(err, with_type=True)}") from None
+        except PreemptedWhereItWas:  # its generic line said what was finished was kept, and to resume a training run
+            raise Preempted(
+                "stopped on SIGTERM; nothing was written (the target is written whole or not at all): run the same "
+                "command again, which starts over"
+            ) from None
         publish_folder(staged, directory)
     print(directory)
 

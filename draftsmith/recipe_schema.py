@@ -102,7 +102,8 @@ class DataSection:
     """Conversations (`messages` of role/content; optional `domain`) and how they are tokenized."""
 
     train: List[str] = field(default_factory=list)  # files (.jsonl, .jsonl.gz, .json, .parquet), globs or Hub ids
-    eval: List[str] = field(default_factory=list)  # held-out conversations: eval-split accuracy, and the eval's prompts
+    # held-out conversations with answers: eval-split accuracy, and the eval's prompts (prompts alone: eval.data)
+    eval: List[str] = field(default_factory=list)
     max_length: int = 1024  # tokens per conversation after the chat template
     overlong: str = "truncate"  # truncate | drop | error
     # cap per source file (data.train's and data.eval's: the first N of a file, whatever their domains), for quick runs
@@ -216,7 +217,7 @@ class EvalSection:
     # train.py runs the speculative-decoding eval (eval/report.json) when training ends; the eval-split accuracy
     # table (eval_accuracy.json) runs either way
     enabled: bool = True
-    data: List[str] = field(default_factory=list)  # conversations; empty = data.eval
+    data: List[str] = field(default_factory=list)  # the prompts: conversations, answered or not; empty = data.eval
     max_prompts: int = 8  # per domain
     max_new_tokens: int = 64  # per prompt
     temperature: float = 0.0  # 0 = greedy (then every method is checked lossless against plain decoding)

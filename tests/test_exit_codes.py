@@ -548,6 +548,8 @@ def test_random_target_stopped_while_writing_leaves_no_target(tmp_path, monkeypa
 
     monkeypatch.setattr(random_target.shutil, "copyfile", copy_fails)
     done = write_target("qwen3", str(tmp_path / "target"))
-    prefix = {74: "I/O error: ", 75: "preempted: ", 130: "interrupted"}[code]
-    assert_one_line_error(done, code, prefix=prefix)  # after the weights' progress bar
+    # SIGTERM's line said "what was finished is kept ... (a training run: with train.resume=true)"
+    prefix = {74: "I/O error: ", 75: "preempted: stopped on SIGTERM; nothing was written", 130: "interrupted"}[code]
+    line = assert_one_line_error(done, code, prefix=prefix)  # after the weights' progress bar
+    assert code != 75 or line.endswith("run the same command again, which starts over")
     assert list(tmp_path.iterdir()) == []
