@@ -88,6 +88,7 @@ def draftsmith_side(target_model, drafter, prompts, repeats: int, max_new: int, 
     from draftsmith.eval.counts import Counts
     from draftsmith.eval.loop import generate_batch
     from draftsmith.eval.sampling import Sampling
+    from draftsmith.export.verify import VllmScheduled
 
     sampling, rows = Sampling(temperature=temperature), []
     verifier = drafter.proposer(temperature).verifier or target_model
@@ -95,9 +96,10 @@ def draftsmith_side(target_model, drafter, prompts, repeats: int, max_new: int, 
         seeds = [repeat * len(prompts) + i for i in range(len(prompts))]
         first = generate_batch(verifier, prompts, 1, sampling=sampling, seeds=seeds)
         drafted = [prompt + row.tokens[:1] for prompt, row in zip(prompts, first)]
-        proposers = [drafter.proposer(temperature) for _ in drafted]  # one a sequence: each holds its state
+        # one a sequence (each holds its state), drafting as vLLM schedules it up to max_tokens, counted past them
+        proposers = [VllmScheduled(drafter.proposer(temperature), len(row) + max_new - 1) for row in drafted]
         counts = Counts()
-        for row in generate_batch(verifier, drafted, max_new - 1, proposers, gamma, None, sampling,
+        for row in generate_batch(verifier, drafted, max_new - 1 + gamma, proposers, gamma, None, sampling,
                                   seeds=[seed + 1 for seed in seeds]):  # fmt: skip
             counts.add(row.counts)
         # the loop's counters end at the deepest position a cycle reached; vLLM's count every position up to γ
