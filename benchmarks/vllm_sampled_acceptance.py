@@ -97,7 +97,7 @@ def draftsmith_side(target_model, drafter, prompts, repeats: int, max_new: int, 
         first = generate_batch(verifier, prompts, 1, sampling=sampling, seeds=seeds)
         drafted = [prompt + row.tokens[:1] for prompt, row in zip(prompts, first)]
         # one a sequence (each holds its state), drafting as vLLM schedules it up to max_tokens, counted past them
-        proposers = [VllmScheduled(drafter.proposer(temperature), len(row) + max_new - 1) for row in drafted]
+        proposers = [VllmScheduled(drafter.proposer(temperature), len(p) + max_new - 1, len(p) - 1) for p in drafted]
         counts = Counts()
         for row in generate_batch(verifier, drafted, max_new - 1 + gamma, proposers, gamma, None, sampling,
                                   seeds=[seed + 1 for seed in seeds]):  # fmt: skip

@@ -207,15 +207,23 @@ def test_draftsmiths_acceptance_is_listed_at_every_position_up_to_gamma_as_vllm_
 
 
 def test_the_export_checks_loop_counts_a_requests_last_step_as_vllm_does():
-    """vLLM drafts a whole chain at a request's last step and counts what it accepted past max_tokens before it cuts
-    the output; the check's loop cut that chain at its own budget, and vLLM's τ read above draftsmith's on every kind
-    (0.2-0.6% at 48 tokens). A drafter that is the target (all four of its layers) has every draft accepted: τ is
-    γ + 1 in vLLM, and now in the check's loop too (3.75 before: 16 tokens, the last chain cut to 2)."""
+    """vLLM drafts a whole chain at a request's last step and counts what it accepted past max_tokens, or past an EOS,
+    before it cuts the output; the check's loop cut that chain at its own budget and stopped at the EOS (the Medusa-2
+    demo folder's check: τ 1.454 against vLLM's 1.457). A drafter that is the target (all four of its layers) has
+    every draft accepted: τ is γ + 1 in vLLM, and now in the check's loop too (3.75 before: 16 tokens, the last chain
+    cut to 2), whether the request ends at max_tokens or at an EOS inside a chain."""
     from draftsmith.export.verify import draftsmith_side
 
     source = source_of("draft_model", REFERENCE_TARGET, num_layers=4)
-    checked = draftsmith_side(source, [[1, 5, 9, 17], [1, 8, 40, 2]], 16, 3, frozenset())
+    prompts = [[1, 5, 9, 17], [1, 8, 40, 2]]
+    checked = draftsmith_side(source, prompts, 16, 3, frozenset())
     assert checked["tau"] == 4.0 and checked["at_least"] == [1.0, 1.0, 1.0]
+    answer = checked["plain"][0]  # an EOS the first answer meets at its 7th token, inside the second chain
+    firsts = {tokens[0] for tokens in checked["plain"]}
+    eos = next(token for token in answer[6:] if token not in answer[:6] and token not in firsts)
+    ended = draftsmith_side(source, prompts, 16, 3, frozenset({eos}))
+    assert ended["plain"][0][-1] == eos and len(ended["plain"][0]) < 16, ended["plain"]
+    assert ended["tau"] == 4.0 and ended["at_least"] == [1.0, 1.0, 1.0]
 
 
 def test_the_sampled_acceptance_benchmarks_loop_at_temperature_0_counts_as_the_export_check(monkeypatch):
