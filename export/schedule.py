@@ -46,12 +46,18 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from draftsmith.errors import ExportCheckFailed, UserError
+from draftsmith.errors import UserError
 from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, at_one_gamma, read_sweep
 
 log = logging.getLogger("draftsmith.export")
 
 MIN_GAIN = 0.02  # the margin a predicted gain must clear where the sweep's own noise is smaller
+
+
+class NoSchedule(UserError):
+    """A sweep by whose rows the drafter beats plain decoding at no measured concurrency: the input to fix (serve the
+    target alone, or measure again where the margin was the sweep's noise), exit 2. It was exit 3, a correctness
+    check's code, which says to report it and not retry."""
 
 
 def pooled_acceptance(runs: list[dict[str, Any]]) -> list[float]:
@@ -120,7 +126,7 @@ def batch_schedule(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
     if not any(rates[c][chosen[c]] >= plain_rate[c] * (1 + margin) for c in levels if chosen[c]):
         summary = ", ".join(f"c={c}: {max(rates[c].values()) / plain_rate[c]:.2f}×" for c in levels)
         noisy = margin > MIN_GAIN
-        raise ExportCheckFailed(
+        raise NoSchedule(
             f"at no measured concurrency does speculation with this drafter beat plain decoding by {margin:.0%}"
             + (" (how far the sweep's two plain runs differ)" if noisy else "")
             + f": best predicted speed-up {summary}; serve the target without it"
@@ -206,7 +212,10 @@ def batch_schedule_of(cfg: DictConfig, digest: str, serving=None) -> Optional[di
     for row in measured if serving is not None else []:
         advice = "sweep the checkpoint with those (draftsmith sweep)"
         require_same_serving(row.get("load", {}).get("drafter") or {}, serving, f"export.batch_sweep={path}", advice)
-    schedule = batch_schedule(measured, methods[0])
+    try:
+        schedule = batch_schedule(measured, methods[0])
+    except NoSchedule as refused:
+        raise NoSchedule(f"export.batch_sweep={cfg.export.batch_sweep}: {refused}") from None
     require_schedule_served(cfg, schedule["num_speculative_tokens_per_batch_size"])
     engines = {json.dumps(row.get("engine"), sort_keys=True) for row in measured}
     log.info(

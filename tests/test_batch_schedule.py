@@ -13,7 +13,7 @@ import re
 import pytest
 
 from draftsmith.errors import ExportCheckFailed, UserError
-from draftsmith.export.schedule import batch_schedule, pooled_acceptance
+from draftsmith.export.schedule import NoSchedule, batch_schedule, pooled_acceptance
 from draftsmith.export.sweep import measured_row
 from draftsmith.export.sweep_results import read_sweep
 from draftsmith.files import checkpoint_digest
@@ -83,14 +83,35 @@ def test_k_0_costs_what_the_drafter_measured_at_gamma_0_and_a_load_below_plain_i
 
 def test_a_drafter_that_beats_only_its_own_gamma_0_cost_is_refused():
     rows = sweep({1: 1.0}, {(1, 1): 1.62}) + [sweep_row("d", 0, 1, 1.3, (), 0, "abc")]  # 0.99x plain, 1.28x its γ 0
-    with pytest.raises(ExportCheckFailed, match="at no measured concurrency"):
+    with pytest.raises(NoSchedule, match="at no measured concurrency"):
         batch_schedule(rows, "d")
 
 
 def test_a_sweep_where_speculation_never_pays_is_refused():
     rows = sweep({1: 1.0, 2: 1.0}, {(1, 1): 1.7, (2, 1): 1.8})
-    with pytest.raises(ExportCheckFailed, match="at no measured concurrency"):
+    with pytest.raises(NoSchedule, match="at no measured concurrency"):
         batch_schedule(rows, "d")
+
+
+def test_an_export_whose_sweep_gives_no_schedule_is_bad_input_naming_its_sweep(tmp_path, caplog):
+    """It exited 3, a correctness check's code ("report it; do not retry"), for a sweep to measure again on a quieter
+    machine or a drafter to serve without: the input to fix, exit 2, naming export.batch_sweep. The sweep says so as
+    it ends (summary.json alone held it)."""
+    from draftsmith.errors import outcome
+    from draftsmith.export.schedule import batch_schedule_of
+    from draftsmith.export.sweep import schedule_of
+    from draftsmith.recipe import load_recipe
+
+    rows = sweep({1: 1.0, 2: 1.0}, {(1, 1): 1.7, (2, 1): 1.8})
+    with caplog.at_level("WARNING"):
+        assert schedule_of(rows, "d")[0]["refused"].startswith("at no measured concurrency")
+    assert "no γ per batch size for an export from this sweep: at no measured" in caplog.text
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(NoSchedule) as refused:
+        batch_schedule_of(load_recipe(["recipe=eagle3", f"export.batch_sweep={path}"]), "abc")
+    code, line = outcome(refused.value, "export")
+    assert code == 2 and line.startswith(f"error: export.batch_sweep={path}: at no measured concurrency does")
 
 
 def test_the_margin_is_the_sweeps_own_noise_where_that_is_larger():
@@ -113,7 +134,7 @@ def test_the_margin_is_the_sweeps_own_noise_where_that_is_larger():
     assert schedule["pays_up_to"] is None
     swamped = sweep({1: 1.0}, {(1, 1): 1.1}) + [sweep_row("plain-rerun", 0, 1, 1 / 1.6)]  # 45% gain, 60% noise
     with pytest.raises(
-        ExportCheckFailed, match=r"plain decoding by 60% \(how far the sweep.s two plain runs differ\).*quieter machine"
+        NoSchedule, match=r"plain decoding by 60% \(how far the sweep.s two plain runs differ\).*quieter machine"
     ):
         batch_schedule(swamped, "d")
 
