@@ -65,7 +65,7 @@ def test_sigterm_in_the_last_step_stops_once_final_is_written_and_a_resume_runs_
     line = assert_one_line_error(stopped, EXIT_PREEMPTED, prefix="preempted: ")
     assert line == (
         f"preempted: stopped on SIGTERM at the end of training (step 2 of 2): {out / 'final'} is written; {RESUME} to "
-        "run what follows training (its evaluation)"
+        "run what follows training (its eval-split accuracy)"
     )
     assert "SIGTERM: saving a checkpoint at the end of this step, then stopping" in stderr + stdout
     assert (out / "checkpoints" / "step_0000002" / "trainer_state.json").is_file()
@@ -106,7 +106,7 @@ def sigterm_in(function: str, args: list[str], marker: Path, monkeypatch) -> sub
         (
             "draftsmith.eval.report.evaluate_trained_run",
             "training finished ({out}/final is written): run the same command with train.resume=true to run what "
-            "follows training (its evaluation)",
+            "follows training (its eval-split accuracy)",
         ),
         ("draftsmith.trainer.setup.load_data", "nothing was written: run the same command again"),
     ],

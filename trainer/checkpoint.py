@@ -333,6 +333,13 @@ def _resume_checkpoint(output_dir: Path, resume: Optional[str]) -> Optional[Path
     )
 
 
+def follows_training(cfg: DictConfig) -> str:
+    """What a run does once trained, which a resume of its finished training runs (a stop's advice): it said "its
+    evaluation" with eval.enabled=false too, of a run whose eval-split accuracy was stopped."""
+    stages = [("its eval-split accuracy", bool(cfg.data.eval)), ("its speculative-decoding report", cfg.eval.enabled)]
+    return " and ".join(stage for stage, runs in stages if runs) or "its end"
+
+
 def set_newer_checkpoints_aside(output_dir: Path, resumed: Path) -> None:
     """A run resumed from one of its own checkpoints older than its newest branches off there: the newer ones
     (another branch, which a later train.resume=true would jump back to) move to replaced/<time>/checkpoints/."""

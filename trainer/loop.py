@@ -33,7 +33,7 @@ from draftsmith.errors import Preempted, StopRequest, TrainingDiverged
 from draftsmith.heads.vocab_loss import compiled_chunk_math
 from draftsmith.outputs import FINAL_DIR
 from draftsmith.progress import progress_bar
-from draftsmith.trainer.checkpoint import TrainerState, save_checkpoint, save_final
+from draftsmith.trainer.checkpoint import TrainerState, follows_training, save_checkpoint, save_final
 from draftsmith.trainer.curve import write_curve
 from draftsmith.trainer.heldout import BEST_DIR, curve_row, evaluate_heldout, keep_best, patience_spent
 from draftsmith.trainer.nonfinite import report_nonfinite
@@ -98,7 +98,7 @@ def train(cfg: DictConfig) -> Trained:
     if stopping:  # once final/ is saved, before what follows training (the eval stage, a monitor's evaluation)
         raise Preempted(
             f"stopped on SIGTERM at the end of training (step {state.step} of {max_steps}): {trained.final} is written;"
-            " run the same command with train.resume=true to run what follows training (its evaluation)"
+            f" run the same command with train.resume=true to run what follows training ({follows_training(cfg)})"
         )
     return trained
 

@@ -51,23 +51,24 @@ def main(argv: Sequence[str]) -> None:
 
                 evaluate_trained_run(cfg, trained.prompt_count)
     except KeyboardInterrupt:  # Ctrl-C: the line says how to continue (run_cli prints it), as SIGTERM's does
-        raise KeyboardInterrupt(after_interrupt(Path(cfg.output_dir), trained is not None)) from None
+        raise KeyboardInterrupt(after_interrupt(cfg, trained is not None)) from None
     except PreemptedWhereItWas:  # SIGTERM outside the loop (the data's tokenizing, the eval stage): as Ctrl-C there
-        advice = after_interrupt(Path(cfg.output_dir), trained is not None)
+        advice = after_interrupt(cfg, trained is not None)
         raise PreemptedWhereItWas(f"stopped on SIGTERM; {advice}") from None
 
 
-def after_interrupt(output_dir: Path, trained: bool = False) -> str:
+def after_interrupt(cfg: DictConfig, trained: bool = False) -> str:
     """What to do after Ctrl-C stopped a run, for its `interrupted` line, or a SIGTERM outside its training loop (the
     data's tokenizing, the eval stage: `trained`), for its `preempted` one: once the run has written anything, the
     same command alone is refused (`check_earlier_run`)."""
-    from draftsmith.trainer.checkpoint import FINAL_DIR, completed_checkpoints, earlier_run
+    from draftsmith.trainer.checkpoint import FINAL_DIR, completed_checkpoints, earlier_run, follows_training
 
+    output_dir = Path(cfg.output_dir)
     steps, final = completed_checkpoints(output_dir), output_dir / FINAL_DIR
     if trained and steps:  # in the eval stage: a resume writes final/ again from the last checkpoint, then evaluates
         return (
             f"training finished ({final} is written): run the same command with train.resume=true to run what "
-            "follows training (its evaluation)"
+            f"follows training ({follows_training(cfg)})"
         )
     if steps:
         return f"checkpoint {steps[-1]} is kept: run the same command with train.resume=true to continue from it"
