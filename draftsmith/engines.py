@@ -149,6 +149,8 @@ def torchvision_loads(python: str, key: str) -> bool:
 
 # the free methods (no training, no draft forward): vLLM's method names for them, and the eval's rows of them
 NGRAM = "ngram"
+# vLLM's n-gram proposer as draftsmith serves it (prompt_lookup_min/max) and its eval measures it (eval/ngram.py)
+PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX = 2, 4
 SUFFIX = "suffix"
 # vLLM's suffix decoding (`{"method": "suffix"}`) and draftsmith's suffix baseline run arctic-inference's
 # suffix trees, a package that ships as a source distribution only: built in the environment that imports

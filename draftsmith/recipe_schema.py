@@ -10,7 +10,7 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
-from draftsmith.engines import VLLM_FORMATS
+from draftsmith.engines import PROMPT_LOOKUP_MAX, VLLM_FORMATS
 
 
 @dataclass
@@ -226,7 +226,7 @@ class EvalSection:
     num_speculative_tokens: int = 3  # chain length gamma
     tree: int = 0  # nodes in the static draft tree (0 = chain only)
     ngram_baseline: bool = True  # decode with prompt lookup too (the drafter-free baseline vLLM serves)
-    ngram_max: int = 3  # prompt-lookup baseline: longest n-gram to match
+    ngram_max: int = PROMPT_LOOKUP_MAX  # prompt-lookup baseline: longest n-gram to match (vLLM's, as served: 4)
     # decode with vLLM's suffix decoding too (arctic-inference's trees, the strongest free baseline): unset =
     # where arctic-inference is installed (the report says when it was not), true = required, false = never
     suffix_baseline: Optional[bool] = None

@@ -1,14 +1,17 @@
-"""Prompt-lookup decoding: the baseline drafter that needs no training.
+"""Prompt-lookup decoding: the baseline drafter that needs no training, as vLLM's n-gram proposer drafts.
 
-Find the longest trailing n-gram of the committed tokens (n = ngram_max down to 1) earlier in the
-context and propose the tokens that followed it. Repetitive outputs (code that echoes the prompt,
-quoted documents, lists) get long accepted chains for free; a drafter worth training beats it.
+Find the longest trailing n-gram of the committed tokens (n = ngram_max down to PROMPT_LOOKUP_MIN) earlier in the
+context, its earliest occurrence among the longest (vLLM's `_find_longest_matched_ngram_and_propose_tokens`), and
+propose the tokens that followed it. Repetitive outputs (code that echoes the prompt, quoted documents, lists) get
+long accepted chains for free; a drafter worth training beats it. It took n down to 1 and the most recent
+occurrence, and 3 as its longest, which vLLM as served (2 to 4, export/free_methods.py) does not draft.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from draftsmith.engines import PROMPT_LOOKUP_MIN
 from draftsmith.errors import UserError
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
 from draftsmith.target import FeatureRequest
@@ -20,7 +23,7 @@ class NGramDrafter(Proposer):
 
     features = FeatureRequest(final=True)
 
-    def __init__(self, ngram_max: int = 3):
+    def __init__(self, ngram_max: int):
         if ngram_max < 1:
             raise UserError(f"eval.ngram_max={ngram_max} must be at least 1")
         self.ngram_max = ngram_max
@@ -29,12 +32,12 @@ class NGramDrafter(Proposer):
         if tree is not None:
             raise UserError("the n-gram drafter proposes chains only")
         tokens = state.tokens
-        for n in range(min(self.ngram_max, len(tokens) - 1), 0, -1):
+        for n in range(min(self.ngram_max, len(tokens) - 1), PROMPT_LOOKUP_MIN - 1, -1):
             # Windows starting before len - n: the trailing n-gram itself is excluded, and every
             # earlier match has at least one token after it.
             windows = tokens[:-1].unfold(0, n, 1)
             hits = (windows == tokens[-n:]).all(dim=1).nonzero()
             if len(hits):
-                start = int(hits[-1]) + n  # the most recent match: closest to what is being written
+                start = int(hits[0]) + n  # the earliest match, as vLLM's proposer takes
                 return DraftTree.chain(tokens[start : start + num_tokens])
         return DraftTree.chain(tokens[:0])

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from typing import Any
 
-from draftsmith.engines import NGRAM, SUFFIX, SuffixSettings
+from draftsmith.engines import NGRAM, PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, SUFFIX, SuffixSettings
 from draftsmith.formats.repo import VLLM_PINNED
 
 
@@ -15,8 +15,8 @@ def ngram_config(gamma: int) -> dict[str, Any]:
     """vLLM's n-gram proposer (prompt lookup of 2 to 4 tokens) at γ, with the pinned sampling settings."""
     return {
         "method": NGRAM,
-        "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4,
+        "prompt_lookup_min": PROMPT_LOOKUP_MIN,
+        "prompt_lookup_max": PROMPT_LOOKUP_MAX,
         **VLLM_PINNED,
         "num_speculative_tokens": gamma,
     }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import subprocess
 
 import pytest
 import torch
@@ -336,17 +337,54 @@ def test_plain_sampling_is_seeded(small_model):
 
 
 # -- n-gram drafter -------------------------------------------------------------------------------
-def test_ngram_proposes_the_continuation_of_the_longest_most_recent_match():
-    drafter = NGramDrafter(3)
+def test_ngram_proposes_as_vllms_proposer_the_continuation_of_the_longest_earliest_match():
+    """As vLLM's n-gram proposer drafts (2 to 4 tokens matched, the earliest of the longest matches): it took the most
+    recent match and matched single tokens, so its τ was not the one vLLM serves."""
+    drafter = NGramDrafter(4)
 
     def propose_after(tokens: list[int], n: int) -> list[int]:
         state = DraftState(tokens=torch.tensor(tokens), final=torch.zeros(4), layers={})
         return drafter.propose(state, n).tokens.tolist()
 
     assert propose_after([5, 6, 7, 8, 9, 6, 7], 3) == [8, 9, 6]  # trailing "6 7" seen at 1
-    assert propose_after([1, 7, 2, 4, 7, 3, 9, 4, 7], 2) == [3, 9]  # "4 7" beats the older "7"
-    assert propose_after([1, 2, 3, 2], 5) == [3, 2]  # fewer than asked: the context ends
+    assert propose_after([1, 7, 2, 4, 7, 3, 9, 4, 7], 2) == [3, 9]  # "4 7", not the single "7"
+    assert propose_after([1, 2, 9, 1, 2, 8, 1, 2], 2) == [9, 1]  # the earliest "1 2", not the most recent
+    assert propose_after([3, 1, 2, 3, 5, 1, 2, 3], 1) == [5]  # the trailing "1 2 3" seen at 1: the longest match
+    assert propose_after([1, 2, 3, 1, 2], 5) == [3, 1, 2]  # fewer than asked: the context ends
+    assert propose_after([1, 2, 3, 2], 3) == []  # a single token matched: vLLM drafts nothing (at least 2)
     assert propose_after([1, 2, 3, 4], 3) == []  # no match: a plain step
+
+
+# vLLM's n-gram proposer on random sequences of a few token ids (many repeats), at the settings draftsmith serves it
+NGRAM_IN_VLLM = """
+import json, random, sys
+import numpy as np
+from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as propose
+low, high = int(sys.argv[1]), int(sys.argv[2])
+rng, cases = random.Random(0), []
+for _ in range(2000):
+    tokens = [rng.randrange(rng.randint(2, 5)) for _ in range(rng.randint(1, 30))]
+    k = rng.randint(1, 5)
+    cases.append([tokens, k, propose(np.array(tokens, dtype=np.int32), low, high, 10**6, k).tolist()])
+print(json.dumps(cases))
+"""
+
+
+@pytest.mark.slow
+def test_the_evals_ngram_drafts_what_vllms_proposer_drafts(vllm_python):
+    """The report's n-gram row says vLLM serves it: it drafted another way (single tokens matched, the most recent
+    match, 3 tokens at most), so its τ was not vLLM's. 2,000 random sequences, drafted alike by both."""
+    from draftsmith.engines import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN
+
+    done = subprocess.run(
+        [vllm_python, "-c", NGRAM_IN_VLLM, str(PROMPT_LOOKUP_MIN), str(PROMPT_LOOKUP_MAX)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    drafter = NGramDrafter(PROMPT_LOOKUP_MAX)
+    for tokens, k, drafted in json.loads(done.stdout.splitlines()[-1]):
+        state = DraftState(tokens=torch.tensor(tokens), final=torch.zeros(1), layers={})
+        assert drafter.propose(state, k).tokens.tolist() == drafted, (tokens, k)
 
 
 # -- report and CLI -------------------------------------------------------------------------------
