@@ -14,7 +14,7 @@ from typing import Optional
 import numpy
 from omegaconf import OmegaConf
 
-from draftsmith.engines import SERVING_ENGINES, VLLM_FORMATS, arctic_build, suffix_decoding_installed
+from draftsmith.engines import PROMPT_LOOKUP_MIN, SERVING_ENGINES, VLLM_FORMATS, arctic_build, suffix_decoding_installed
 from draftsmith.errors import UserError
 from draftsmith.files import cache_root
 from draftsmith.outputs import check_output_dir, loops
@@ -160,7 +160,10 @@ def check_eval(eval_section) -> None:
         f"need eval.temperature >= 0, 0 < eval.top_p <= 1, eval.top_k >= 0 (got {eval_section.temperature}, "
         f"{eval_section.top_p}, {eval_section.top_k})",
     )
-    require(eval_section.ngram_max >= 1, f"eval.ngram_max={eval_section.ngram_max} must be >= 1")
+    require(  # below it the baseline never drafts, as vLLM's proposer would not
+        eval_section.ngram_max >= PROMPT_LOOKUP_MIN,
+        f"eval.ngram_max={eval_section.ngram_max} must be >= {PROMPT_LOOKUP_MIN} (vLLM's prompt_lookup_min)",
+    )
     refuse_unread_sampling(eval_section, EvalSection, "eval", "decodes greedily")
     require(
         eval_section.ngram_baseline or eval_section.ngram_max == EvalSection.ngram_max,

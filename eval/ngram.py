@@ -24,8 +24,8 @@ class NGramDrafter(Proposer):
     features = FeatureRequest(final=True)
 
     def __init__(self, ngram_max: int):
-        if ngram_max < 1:
-            raise UserError(f"eval.ngram_max={ngram_max} must be at least 1")
+        if ngram_max < PROMPT_LOOKUP_MIN:  # it would never draft
+            raise UserError(f"eval.ngram_max={ngram_max} must be >= {PROMPT_LOOKUP_MIN} (vLLM's prompt_lookup_min)")
         self.ngram_max = ngram_max
 
     def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:

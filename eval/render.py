@@ -353,6 +353,13 @@ def render_batch_sweep(sweep: dict[str, Any]) -> list[str]:
                 flag = " **NOT LOSSLESS**" if row["lossless"] is False else ""
                 cells.append(f"{_fmt(row['tau'])} / {row['tokens_per_s']:.1f} / {_fmt(row['speedup'])}×{flag}")
             lines.append(f"| {cell(domain)} | {name} | " + " | ".join(cells) + " |")
+    for size in sweep["batch_sizes"]:  # as the report's own rates are weighed (its conclusion)
+        if disturbed := disturbed_timing({"baselines": sweep["rows"][str(size)]}):
+            lines += [
+                "",
+                f"The timings at batch size {size} were disturbed, not a measure of any method: {disturbed}, "
+                "where one target decodes at about one rate (other work on the cores; run again on idle ones).",
+            ]
     return lines + [""]
 
 

@@ -85,16 +85,32 @@ def at_one_gamma(row: dict[str, Any]) -> bool:
     return not schedule or all(k == 0 for _, _, k in schedule)
 
 
+def crossover_of(best: dict[int, dict[str, Any]], levels: list[int]) -> int | None:
+    """The concurrency from which on the best γ never beats plain (measured there and at every level above), None
+    where it beats plain at the largest: "the first that loses" named a crossover below a level it won at."""
+    losing = None
+    for c in reversed(levels):
+        if best.get(c, {}).get("beats_plain") is not False:
+            break
+        losing = c
+    return losing
+
+
 def summarize(
     rows: list[dict[str, Any]], methods: Sequence[str], swept: Optional[dict[str, Sequence[int]]] = None
 ) -> dict[str, Any]:
     """Per method the γs it has rows at and, of those `swept` (method -> γs) says it was served at, those it has
-    none at (a free baseline the engine failed to serve); the best γ > 0 at each concurrency, whether it beats
-    plain (`beats_plain`: false, serve plain there), and the crossover (the first concurrency where even the best
-    γ does not); the drafter loaded at γ 0 over plain; plain's second run over its first, and whether every row
-    was lossless. γ 0 is never a best γ: it is the drafter loaded drafting nothing, plain serving at the drafter's
-    engine settings, not a speculation setting to serve."""
+    none at (a free baseline the engine failed to serve); the best γ > 0 at each concurrency, whether it beats plain
+    (`beats_plain`: false, serve plain there) and whether that speed-up is within the sweep's `noise` of 1
+    (`within_noise`: then neither reading holds), and the crossover (the concurrency from which on even the best γ
+    never beats plain: a curve that dips and recovers has none); the drafter loaded at γ 0 over plain; plain's
+    second run over its first, and whether every row was lossless. γ 0 is never a best γ: it is the drafter loaded
+    drafting nothing, plain serving at the drafter's engine settings, not a speculation setting to serve."""
     levels = sorted({r["concurrency"] for r in rows})
+    first = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == PLAIN}
+    again = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == PLAIN_AGAIN}
+    rerun = {c: again[c] / first[c] for c in levels if c in again and c in first}
+    noise = max(abs(ratio - 1) for ratio in rerun.values()) if rerun else None  # export/schedule.py's margin
     gammas = {}
     for method in methods:
         measured = sorted({r["gamma"] for r in rows if r["method"] == method})
@@ -109,17 +125,15 @@ def summarize(
                 top = max(candidates, key=lambda r: r["tok_s"])
                 best[method][c] = {key: top[key] for key in ("gamma", "speedup", "tok_s", "tau")}
                 best[method][c]["beats_plain"] = None if top["speedup"] is None else top["speedup"] > 1.0
-    crossover = {
-        method: next((c for c in levels if best[method].get(c, {}).get("beats_plain") is False), None)
-        for method in methods
-    }
+                best[method][c]["within_noise"] = (
+                    None if top["speedup"] is None or noise is None else abs(top["speedup"] - 1) <= noise
+                )
+    crossover = {method: crossover_of(best[method], levels) for method in methods}
     loaded_at_gamma_0 = {
         method: {r["concurrency"]: r["speedup"] for r in rows if r["method"] == method and r["gamma"] == 0}
         for method in methods
         if any(r["method"] == method and r["gamma"] == 0 for r in rows)
     }
-    first = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == PLAIN}
-    again = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == PLAIN_AGAIN}
     lossless = {
         m: all(r["lossless"] for r in rows if r["method"] == m and r["lossless"] is not None)
         for m in {r["method"] for r in rows}
@@ -128,9 +142,10 @@ def summarize(
         "gammas": gammas,
         "best_per_concurrency": best,
         "crossover": crossover,
+        "noise": None if noise is None else round(noise, 4),
         "loaded_at_gamma_0": loaded_at_gamma_0,
         "lossless": lossless,
-        "plain_rerun_over_plain": {c: round(again[c] / first[c], 4) for c in levels if c in again and c in first},
+        "plain_rerun_over_plain": {c: round(ratio, 4) for c, ratio in rerun.items()},
         "engine": rows[0]["engine"]["vllm_version"] if rows else None,
     }
 

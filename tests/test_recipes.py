@@ -107,7 +107,7 @@ def test_bad_overrides_are_user_errors(override, fragment):
         ("eval.max_prompts=0", "eval.max_prompts=0 must be >= 1"),
         ("eval.tree=-1", "eval.tree=-1 must be >= 0"),
         ("eval.top_p=0", "0 < eval.top_p <= 1"),
-        ("eval.ngram_max=0", "eval.ngram_max=0 must be >= 1"),
+        ("eval.ngram_max=1", "eval.ngram_max=1 must be >= 2 (vLLM's prompt_lookup_min)"),
         # a setting of a part of the eval that does not run: it changed nothing, and the report recorded it
         ("eval.top_p=0.5", "eval.top_p=0.5 is read only when sampling, and eval.temperature=0 decodes greedily"),
         ("eval.top_k=5", "eval.top_k=5 is read only when sampling, and eval.temperature=0 decodes greedily"),

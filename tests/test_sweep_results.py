@@ -44,6 +44,19 @@ def test_gamma_0_is_never_the_best_gamma_and_a_load_where_no_gamma_pays_says_so(
     assert only_gamma_0["best_per_concurrency"] == {"d": {}} and only_gamma_0["crossover"] == {"d": None}
 
 
+def test_a_speed_up_within_the_sweeps_noise_is_flagged_and_a_curve_that_recovers_has_no_crossover():
+    """A newcomer's sweep marked n-gram `beats_plain` at 1.04x where plain's two runs differed by 84%, and named
+    the drafter's crossover 1 though it beat plain at 4: "the first concurrency that loses"."""
+    rows = [row("plain", 0, c, 1.0) for c in (1, 2, 4)] + [row("plain-rerun", 0, 1, 1.25)]
+    rows += [row("d", 1, 1, 0.9), row("d", 1, 2, 1.5), row("d", 1, 4, 1.1)]
+    summary = summarize(rows, ["d"])
+    best = summary["best_per_concurrency"]["d"]
+    assert summary["noise"] == 0.25 and summary["crossover"] == {"d": None}
+    flags = [(best[c]["beats_plain"], best[c]["within_noise"]) for c in (1, 2, 4)]
+    assert flags == [(False, True), (True, False), (True, True)]
+    assert summarize(rows[:3] + rows[4:], ["d"])["best_per_concurrency"]["d"][2]["within_noise"] is None  # no rerun
+
+
 @pytest.mark.parametrize("folder", ["", "2026-11-27", "smollm2-eagle3.1-h200", "suffix_avx2_2026-11-29"])
 def test_the_committed_load_sweeps_summaries_are_their_rows(folder):
     """The committed summary.json is `summarize` of its own committed sweep.jsonl (regenerated, not re-measured)."""
