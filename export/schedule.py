@@ -47,7 +47,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from draftsmith.errors import UserError
-from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, at_one_gamma, read_sweep
+from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, at_one_gamma, read_sweep, rerun_noise
 
 log = logging.getLogger("draftsmith.export")
 
@@ -97,8 +97,7 @@ def sweep_noise(rows: list[dict[str, Any]]) -> float | None:
     measured (|tok/s ratio - 1|); None without a second run."""
     first = {int(r["concurrency"]): r["tokens"] / r["seconds"] for r in rows if r["method"] == PLAIN}
     again = {int(r["concurrency"]): r["tokens"] / r["seconds"] for r in rows if r["method"] == PLAIN_AGAIN}
-    both = sorted(set(first) & set(again))
-    return max(abs(again[c] / first[c] - 1) for c in both) if both else None
+    return rerun_noise(first, again)
 
 
 def batch_schedule(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:

@@ -85,6 +85,13 @@ def at_one_gamma(row: dict[str, Any]) -> bool:
     return not schedule or all(k == 0 for _, _, k in schedule)
 
 
+def rerun_noise(first: dict[int, float], again: dict[int, float]) -> float | None:
+    """How far plain's second run (`again`: rates by concurrency) strays from its first, at worst over the
+    concurrencies both measured (|ratio - 1|); None without a second run."""
+    both = [c for c in first if c in again]
+    return max(abs(again[c] / first[c] - 1) for c in both) if both else None
+
+
 def crossover_of(best: dict[int, dict[str, Any]], levels: list[int]) -> int | None:
     """The concurrency from which on the best γ never beats plain (measured there and at every level above), None
     where it beats plain at the largest: "the first that loses" named a crossover below a level it won at."""
@@ -109,8 +116,7 @@ def summarize(
     levels = sorted({r["concurrency"] for r in rows})
     first = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == PLAIN}
     again = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == PLAIN_AGAIN}
-    rerun = {c: again[c] / first[c] for c in levels if c in again and c in first}
-    noise = max(abs(ratio - 1) for ratio in rerun.values()) if rerun else None  # export/schedule.py's margin
+    noise = rerun_noise(first, again)  # export/schedule.py's margin
     gammas = {}
     for method in methods:
         measured = sorted({r["gamma"] for r in rows if r["method"] == method})
@@ -145,7 +151,7 @@ def summarize(
         "noise": None if noise is None else round(noise, 4),
         "loaded_at_gamma_0": loaded_at_gamma_0,
         "lossless": lossless,
-        "plain_rerun_over_plain": {c: round(ratio, 4) for c, ratio in rerun.items()},
+        "plain_rerun_over_plain": {c: round(again[c] / first[c], 4) for c in levels if c in again and c in first},
         "engine": rows[0]["engine"]["vllm_version"] if rows else None,
     }
 

@@ -152,8 +152,8 @@ class VllmScheduled:
         return getattr(self.proposer, name)
 
     def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
-        answer = state.tokens[self.prompt :].tolist()
-        if len(state.tokens) >= self.stop_at or not self.eos_ids.isdisjoint(answer):
+        ended = bool(self.eos_ids) and not self.eos_ids.isdisjoint(state.tokens[self.prompt :].tolist())
+        if len(state.tokens) >= self.stop_at or ended:
             return DraftTree.chain(state.tokens.new_empty(0))
         return self.proposer.propose(state, num_tokens, tree)
 
