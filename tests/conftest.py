@@ -95,6 +95,30 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return min(CORES, MAX_WORKERS)
 
 
+SUITE_DISK_GIB = 1  # what the suite's files take at most at once (a passing test's tmp_path removed as it ends)
+ENGINES_DISK_GIB = 5.5  # the engines' venvs (tests/engine_builds.py), built on first use
+
+
+def pytest_sessionstart(session) -> None:
+    """One line first where the disk holds less than the suite writes: a full disk shows up otherwise as errors of
+    every kind from wherever it filled (a CI run's: pytest failing to make tmp_path folders, halfway through)."""
+    import shutil
+    import tempfile
+
+    from tests.engine_builds import ENGINES
+
+    if hasattr(session.config, "workerinput"):  # xdist's controller says it, once
+        return
+    need = SUITE_DISK_GIB + (0 if ENGINES.is_dir() else ENGINES_DISK_GIB)
+    free = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+    if free < need:
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            f"warning: {free:.1f} GiB free on the disk of {tempfile.gettempdir()}; the suite needs about {need:g} GiB "
+            f"({SUITE_DISK_GIB} GiB of test files at once, {ENGINES_DISK_GIB} GiB for the engines' venvs under "
+            f"{ENGINES} where not yet built): tests will fail where the disk fills"
+        )
+
+
 def pytest_collection_modifyitems(items) -> None:
     """Modules with engine tests first, then those with other slow tests, then the rest (each module's
     tests stay together, for its module fixtures); xdist (`--dist loadscope`) hands modules out by their

@@ -229,3 +229,23 @@ def test_a_free_method_is_said_faster_only_beyond_the_timings_noise(chain, suffi
     assert says in line
     if "faster" not in says:
         assert "a free method is faster" not in line and "is faster than the drafter" not in line
+
+
+def test_the_card_shows_the_free_methods_and_each_speed_up_with_the_evals_verdict():
+    """An export's card listed the drafter and n-gram lookup only, with τ and no speed-up: suffix decoding, which beat
+    a drafter on an AVX2 machine, and every speed-up were left to the eval's report."""
+    from draftsmith.export.card import acceptance_section
+
+    report = report_rows((1.9, 1.3), (1.4, 1.2), (2.4, 1.6))
+    report["baselines"]["all"]["suffix"]["speedup_interval"] = [1.4, 1.8]
+    report.update(temperature=0.0, max_new_tokens=32, dtype="float32", cpu_threads=2)
+    report["methods"]["chain"].update(gamma=3, served_by="vLLM, SGLang")
+    report["methods"]["suffix"]["served_by"] = "vLLM"
+    for row in (*report["domains"]["all"].values(), *report["baselines"]["all"].values()):
+        row.update(alpha=0.5, per_position=[0.5], lossless=True)
+    card = "\n".join(acceptance_section(report))
+    assert "| all | chain | vLLM, SGLang | 1.90 | 0.50 | 0.50 | 1.30× | yes |" in card
+    assert "| all | suffix | vLLM | 2.40 | 0.50 | 0.50 | 1.60× (1.40–1.80) | yes |" in card
+    assert "| all | ngram | – | 1.40 | 0.50 | 0.50 | 1.20× | yes |" in card
+    assert "draftsmith's own loop on cpu with 2 threads at batch size 1" in card
+    assert "**Result:**" in card and "on this traffic a free method is faster: suffix decoding" in card
