@@ -95,7 +95,9 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return min(CORES, MAX_WORKERS)
 
 
-SUITE_DISK_GIB = 1  # what the suite's files take at most at once (a passing test's tmp_path removed as it ends)
+# what the suite's files take at most at once: its module and session fixtures' folders, kept to its end, and the
+# running tests' tmp_path, removed as each passes (2.0 GB at most on 2026-12-07)
+SUITE_DISK_GIB = 2.5
 ENGINES_DISK_GIB = 5.5  # the engines' venvs (tests/engine_builds.py), built on first use
 
 
