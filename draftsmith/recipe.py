@@ -41,6 +41,7 @@ from draftsmith.recipe_input import (
     expand_home,
     not_yaml,
     open_null_sections,
+    other_kinds_key,
     parse_overrides,
     recipe_path,
     register_resolvers,
@@ -148,16 +149,15 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
             cfg.train.epochs = TrainSection.epochs
     except OmegaConfBaseException as err:  # a key the file misspells: told the closest, as an override's
         hint = closest_key(cfg, err.full_key) if isinstance(err, ConfigKeyError) and err.full_key else ""
+        hint = other_kinds_key(raw, drafter_type, err.full_key) or hint
         raise UserError(f"invalid recipe {path.name}: {_omegaconf_error_line(err)}{hint}") from None
     return cfg
 
 
 _ABSENT = object()
 # the recipe's sections: its drafter (a kind's own schema) and each typed section of the schema
-RECIPE_SECTIONS = (
-    "drafter",
-    *(n for n, t in typing.get_type_hints(RecipeSchema).items() if dataclasses.is_dataclass(t)),
-)
+SCHEMA_TYPES = typing.get_type_hints(RecipeSchema)
+RECIPE_SECTIONS = ("drafter", *(name for name, kind in SCHEMA_TYPES.items() if dataclasses.is_dataclass(kind)))
 
 
 def closest_key(cfg: DictConfig, key: str) -> str:

@@ -48,6 +48,16 @@ def recipe_advice(kind: str) -> str:
     return f"pass recipe={min(names, key=lambda name: (name != kind, len(name), name))}"
 
 
+def other_kinds_key(raw: DictConfig, kind: object, key: Optional[str]) -> str:
+    """The advice for `key`, a drafter key of the recipe file's kind (`raw`'s drafter.type) that `kind`, the one the
+    command line names (drafter.type=...), lacks: what to pass instead ("" where the kinds agree or the key is no
+    drafter key)."""
+    file_kind = OmegaConf.select(raw, "drafter.type")
+    if not str(key or "").startswith("drafter.") or file_kind in (None, kind):
+        return ""
+    return f" (a key of the file's {file_kind} drafter, kept by drafter.type={kind} alone: {recipe_advice(str(kind))})"
+
+
 def split_argv(argv: Sequence[str]) -> tuple[str, list[str]]:
     recipe, overrides = None, []
     for arg in argv:

@@ -130,10 +130,17 @@ def build_config(
         config.attention_chunk_size = ATTENTION_CHUNK  # chunked attention (Llama-4's): chunks a test's rows cross
     config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     # a TINY size the class has no field for is left out of its config.json, which the engines read (they would read a
-    # GPT-NeoX config's `num_key_value_heads` as a grouping of heads its model does not have)
+    # GPT-NeoX config's `num_key_value_heads` as a grouping of heads its model does not have); but not a head size
+    # the class derives as hidden_size / heads: the key says what its model computes, and an engine may read it where
+    # a release's config.json has it (vLLM 0.32's GLM-4-MoE stopped at start without it under transformers 5.25, whose
+    # class dropped the field)
+    # (read from its fields: a class with sizes per layer refuses the global ones' getters)
+    heads, width = (vars(config).get(canonical[key]) for key in ("num_attention_heads", "hidden_size"))
+    derived_head = width // heads if isinstance(heads, int) and heads and isinstance(width, int) else None
     for key in TINY.keys() - shape.keys():
         name = canonical[key]
-        if name not in defaults and name in vars(config):
+        derived = key == "head_dim" and vars(config).get(name) == derived_head
+        if name not in defaults and name in vars(config) and not derived:
             delattr(config, name)
     return config
 

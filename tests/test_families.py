@@ -540,6 +540,9 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
 
     with pytest.raises(SystemExit) as done:
         random_target_command(["glm4_moe", str(tmp_path / "glm4_moe"), "--seed-from-demo"])
+    # its head size, which transformers 5.25's class derives and no longer has a field for, is in its config.json as in
+    # a release's: vLLM 0.32's model of it reads the key (its export check stopped at start without it)
+    assert json.loads((tmp_path / "glm4_moe" / "config.json").read_text())["head_dim"] == 64
     with pytest.raises(UserError, match=r"from python -m draftsmith.heads.mtp_random_layer DIRECTORY\)$"):
         check_target_folder(str(tmp_path / "glm4_moe"))
     added = run_entry_in_process(["-m", "draftsmith.heads.mtp_random_layer", str(tmp_path / "glm4_moe")], capsys)
@@ -633,7 +636,7 @@ def test_a_family_splitting_its_rotary_frequencies_by_section_is_written_to_run_
         text["rope_parameters"]["mrope_section"] == [8, 12, 12]
         and text["hidden_size"] // text["num_attention_heads"] == 64
     )
-    assert "head_dim" not in text  # no field of the class: the head is hidden_size / heads wide
+    assert text["head_dim"] == 64  # no field of the class, which computes hidden_size / heads: written as a release's
     ids = torch.tensor([[1, 5, 9, 13]])
     assert load_target(str(folder))(ids).logits.shape == (1, 4, 4096)
 

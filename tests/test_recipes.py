@@ -484,6 +484,16 @@ def test_a_misspelt_key_in_a_recipe_file_is_told_the_key_it_is_most_like(tmp_pat
         load_recipe([f"recipe={recipe}", f"output_dir={tmp_path}"])
 
 
+def test_another_kind_on_a_recipe_file_names_the_recipe_of_that_kind(tmp_path):
+    """`recipe=mtp drafter.type=medusa` said only `invalid recipe mtp.yaml: Key 'ttt_steps' not in 'MedusaConfig'`,
+    blaming the shipped file."""
+    with pytest.raises(UserError) as refused:
+        load_recipe(["recipe=mtp", "drafter.type=medusa", f"output_dir={tmp_path}"])
+    line = str(refused.value)
+    assert line.startswith("invalid recipe mtp.yaml: Key '") and "' not in 'MedusaConfig' (a key of the file's" in line
+    assert line.endswith("file's mtp drafter, kept by drafter.type=medusa alone: pass recipe=medusa)")
+
+
 def test_a_path_under_home_is_the_homes_for_every_key(tmp_path, monkeypatch):
     """`output_dir: ~/runs/x` made a folder named `~` in the current one (its obvious removal, `rm -rf ~`, removes the
     home), data.train read the home's, and target.name_or_path was refused as a Hub id of the wrong form."""
