@@ -225,7 +225,7 @@ def acceptance_section(report: Optional[dict[str, Any]]) -> list[str]:
         "τ: new tokens per target forward (bonus included); α: accepted / drafted; per position: acceptance at draft "
         "position k given the earlier ones were accepted; lossless: token-identical to plain greedy decoding; "
         f"speed-up: tokens/s over plain decoding in draftsmith's own loop on {report['device']}"
-        + (f" with {report['cpu_threads']} threads" if report["device"] == "cpu" and "cpu_threads" in report else "")
+        + (f" with {report['cpu_threads']} thread(s)" if report["device"] == "cpu" and "cpu_threads" in report else "")
         + f" at batch size {report.get('batch_size', 1)} (95% interval), a guide to the drafter against the free "
         "methods, not an engine's speed: the engine's is the sweep's (`draftsmith sweep`).",
         "",

@@ -247,5 +247,5 @@ def test_the_card_shows_the_free_methods_and_each_speed_up_with_the_evals_verdic
     assert "| all | chain | vLLM, SGLang | 1.90 | 0.50 | 0.50 | 1.30× | yes |" in card
     assert "| all | suffix | vLLM | 2.40 | 0.50 | 0.50 | 1.60× (1.40–1.80) | yes |" in card
     assert "| all | ngram | – | 1.40 | 0.50 | 0.50 | 1.20× | yes |" in card
-    assert "draftsmith's own loop on cpu with 2 threads at batch size 1" in card
+    assert "draftsmith's own loop on cpu with 2 thread(s) at batch size 1" in card
     assert "**Result:**" in card and "on this traffic a free method is faster: suffix decoding" in card

@@ -399,11 +399,14 @@ def test_a_gpt_neox_targets_drafter_sharing_its_embedding_is_refused_before_any_
 def test_a_tiny_targets_config_holds_no_size_its_class_has_no_field_for():
     """The tiny shape's sizes are given to every class, and kept only where the class has the field: an engine reads
     a config.json's `num_key_value_heads` as the heads' grouping, which a GPT-NeoX model (every head its own keys)
-    does not have, and vLLM's Transformers backend would build its attention for 2 key-value heads, not 4."""
+    does not have, and vLLM's Transformers backend would build its attention for 2 key-value heads, not 4. A head size
+    the class derives (hidden_size / heads) is written: it is what its model computes, and vLLM reads it where
+    releases have it (GLM-4-MoE's)."""
     from draftsmith.random_target import tiny_target_config
 
     neox = tiny_target_config("gpt_neox").to_dict()
-    assert "num_key_value_heads" not in neox and "head_dim" not in neox and neox["num_attention_heads"] == 4
+    assert "num_key_value_heads" not in neox and neox["num_attention_heads"] == 4
+    assert neox["head_dim"] == neox["hidden_size"] // 4
     assert tiny_target_config("llama").to_dict()["num_key_value_heads"] == 2
     assert tiny_target_config("gpt_neox", num_key_value_heads=1).num_key_value_heads == 1  # given: kept
 
