@@ -83,7 +83,9 @@ def read_pretrained(load: Callable[..., Any], name_or_path: str, what: str, **kw
         return load(name_or_path, **kwargs)
     # StrictDataclassError: a config its class's own checks refuse (per-layer lists longer than num_hidden_layers)
     except (OSError, ValueError, SafetensorError, StrictDataclassError) as err:
-        raise not_loadable(what, err, name_or_path, out_of_reach, kwargs.get("use_safetensors", False)) from err
+        line = not_loadable(what, err, name_or_path, out_of_reach, kwargs.get("use_safetensors", False))
+        if not mistyped_folder(name_or_path):
+            raise line from err
     except RuntimeError as err:  # transformers' words for weights of other shapes than the config gives them
         if "ignore_mismatched_sizes" not in str(err) and "size mismatch" not in str(err):
             raise
@@ -91,6 +93,9 @@ def read_pretrained(load: Callable[..., Any], name_or_path: str, what: str, **kw
             f"{what}: its weights' shapes are not those its config.json gives them (transformers' load report, "
             "logged above, lists them): a config.json edited, or of another model"
         ) from err
+    # a path mistyped beside a folder whose name is close, raised outside the handler so that no failed request is in
+    # its chain: bad input (exit 2), not the Hub out of reach (exit 69, "run it again", which a scheduler does forever)
+    raise line
 
 
 # the files a saved tokenizer holds (save_pretrained writes both; formats/repo.py TOKENIZER_FILES: all an export copies)
@@ -231,15 +236,25 @@ def read_as_hub_id(name_or_path: str) -> str:
     """What to add to a load's line where `name_or_path` is no folder but its first part is one here: a local path
     mistyped, read as the Hub id owner/name (offline, or asked of the Hub, it failed as a Hub id); the closest
     folder there, where one is close."""
+    folder = Path(name_or_path).expanduser()
+    if folder.is_dir() or folder.parent == Path(".") or not folder.parent.is_dir():
+        return ""
+    close = mistyped_folder(name_or_path)
+    said = f": did you mean {close}?" if close else ""
+    return f" (read as a Hub id: the folder {folder.parent} here has no {folder.name}{said})"
+
+
+def mistyped_folder(name_or_path: str) -> Optional[Path]:
+    """The folder beside `name_or_path` whose name is close to its own, where `name_or_path` is no folder but its
+    first part is one here (a local path mistyped), else None."""
     import difflib
 
     folder = Path(name_or_path).expanduser()
     if folder.is_dir() or folder.parent == Path(".") or not folder.parent.is_dir():
-        return ""
+        return None
     names = [entry.name for entry in folder.parent.iterdir() if entry.is_dir()]
     close = difflib.get_close_matches(folder.name, names, n=1)
-    said = f": did you mean {folder.parent / close[0]}?" if close else ""
-    return f" (read as a Hub id: the folder {folder.parent} here has no {folder.name}{said})"
+    return folder.parent / close[0] if close else None
 
 
 def chained(err: BaseException, kind: type) -> bool:

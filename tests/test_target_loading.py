@@ -245,6 +245,22 @@ def test_a_mistyped_local_target_path_read_as_a_hub_id_names_the_folder_it_meant
         load_recipe(["recipe=medusa", "target.name_or_path=models/x/reference-target"])
 
 
+def test_a_mistyped_local_target_path_is_bad_input_while_the_hub_is_out_of_reach(
+    hub_out_of_reach, tmp_path, monkeypatch
+):
+    """Online with the Hub out of reach, `demo/gemma4-targt` (a local folder mistyped beside `demo/gemma4-target`)
+    exited 69, "run the same command again when the Hub can be reached", which a scheduler does forever."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "reference-target").mkdir(parents=True)
+    with pytest.raises(UserError) as err:
+        load_config(target_section("models/reference-targt"))
+    code, line = outcome(err.value)
+    assert code == 2 and "did you mean models/reference-target?)" in line, line
+    with pytest.raises(UserError) as err:  # no folder close to it: the Hub id it may be, out of reach
+        load_config(target_section("models/qwen"))
+    assert outcome(err.value)[0] == 69
+
+
 def refused_line(load) -> str:
     with pytest.raises(UserError) as err:
         load()
