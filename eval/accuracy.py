@@ -29,6 +29,7 @@ from draftsmith.data_prep.features import open_features
 from draftsmith.data_prep.overlap import eval_in_train
 from draftsmith.eval.render import cell
 from draftsmith.files import write_text_atomic
+from draftsmith.formats.folder import load_warm_start
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import EVAL_SPLIT_METRICS, Drafter, load_drafter, pair_means
 from draftsmith.outputs import ACCURACY_NAME
@@ -57,6 +58,8 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
         untrained.prepare(
             train if train is not None else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train", digests)
         )
+    if cfg.train.init_from:  # a warm start's baseline is where the run began, not a drafter no run trained
+        load_warm_start(cfg.train.init_from, untrained, target)
     untrained.to(device)
     collate = Collator(tokenizer.pad_token_id, draw_seed=cfg.train.seed)  # DFlash's anchors: the held-out ones'
     trained_means, untrained_means = metric_means(
@@ -65,7 +68,8 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
     table = {
         "checkpoint": str(checkpoint.resolve()),
         "trained": trained_means,
-        "untrained": untrained_means,
+        "untrained": untrained_means,  # the drafter the run began from: built from the target, or train.init_from
+        "start": cfg.train.init_from,  # where the run began from, if not from the target
         # {"conversations": in data.train too, "of": distinct ones measured}; null where not counted (data.features)
         "eval_in_train": None if train is None else eval_in_train(train, data, cfg, warn=False),
     }
@@ -147,7 +151,8 @@ def accuracy_table(table: dict) -> str:
         return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
     names = sorted((n for n in trained["all"] if n.endswith("/top1")), key=natural)
-    columns = [f"{n.removesuffix('/top1')} top-1 (untrained → trained)" for n in names]
+    began = "warm start" if table.get("start") else "untrained"
+    columns = [f"{n.removesuffix('/top1')} top-1 ({began} → trained)" for n in names]
     header = "| domain | " + " | ".join(columns) + " |"
     lines = [header, "|" + "---|" * (len(names) + 1)]
     for domain in trained:

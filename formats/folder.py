@@ -188,6 +188,14 @@ def warm_start(path: str | Path, drafter, target_model):
     return start
 
 
+def load_warm_start(path: str | Path, drafter, target_model) -> None:
+    """`drafter` given the weights and data-fitted state of the start at `path` (`warm_start`): its draft vocabulary
+    is kept, not fitted to this run's data again."""
+    start = warm_start(path, drafter, target_model)
+    drafter.load_state_dict(start.state_dict())
+    drafter.learned = dict(start.learned)
+
+
 def require_recipes_kind(kind: Optional[str], recipe_kind: str, what: str, role: str = "trains") -> None:
     """The drafter `what` holds is of the kind the recipe trains (`role` "is for": the kind a read-only
     command's recipe names); None: not known yet (an engine folder, read as its format's kind)."""

@@ -118,6 +118,21 @@ def test_a_warm_start_begins_at_its_start_and_its_saved_recipe_reads_what_it_tra
     assert yaml.safe_load((warm / "recipe.yaml").read_text())["train"]["init_from"] == str(output_dir / "final")
 
 
+def test_a_warm_starts_accuracy_is_measured_against_its_start(trained_run, tmp_path, small_data, token_cache):
+    """The eval split's table compared a warm start's weights with a drafter built from the target, which no run
+    trained: `0.000 → 0.406` for a fine-tune of an export that scores 0.356. Its baseline is now the start."""
+    from draftsmith.eval.accuracy import accuracy_table
+
+    output_dir, _ = trained_run
+    warm = tmp_path / "warm"
+    train_in_process(train_args(warm, small_data, token_cache, f"train.init_from={output_dir / 'final'}",
+                                "train.max_steps=1", "train.lr=1e-5", "train.warmup_steps=0"))  # fmt: skip
+    start = json.loads((output_dir / "eval_accuracy.json").read_text())["trained"]
+    table = json.loads((warm / "eval_accuracy.json").read_text())
+    assert table["untrained"] == start and table["start"] == str(output_dir / "final")
+    assert "head1 top-1 (warm start → trained)" in accuracy_table(table)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed is refused only without a CUDA GPU")
 def test_a_deepspeed_launch_without_a_gpu_is_refused_before_the_run_starts(
     tmp_path, small_data, token_cache, capsys, monkeypatch

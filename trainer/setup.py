@@ -30,7 +30,7 @@ from draftsmith.eval.prompts import prompt_conversations, prompt_sources, render
 from draftsmith.eval.report import check_eval_stage
 from draftsmith.eval.target_checks import check_finite_logits, check_target
 from draftsmith.families import largest_eval_batch
-from draftsmith.formats.folder import require_recipes_drafter, require_recipes_kind, start_kind, warm_start
+from draftsmith.formats.folder import load_warm_start, require_recipes_drafter, require_recipes_kind, start_kind
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import DRAFTER_DIR, architecture, check_same_target, saved_drafter
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
@@ -160,13 +160,11 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     drafter.prepare(train_data, vocab_from=vocab_data)
     if resume_from is not None:  # its weights must be of the drafter the recipe builds
         require_recipes_drafter(saved_kind.type, saved_config, drafter.type, drafter.config, resumed_what, resume_from)
-    elif cfg.train.init_from:  # warm start: its weights and data-fitted state (draft vocabulary kept, not re-fitted)
-        start = warm_start(cfg.train.init_from, drafter, target)  # a checkpoint, an export's folder or speculators'
+    elif cfg.train.init_from:  # warm start: a checkpoint, an export's folder or speculators'
+        load_warm_start(cfg.train.init_from, drafter, target)
         for key in drafter.config.STARTS:
             if getattr(drafter.config, key) is not None:
                 log.warning("drafter.%s is not read: train.init_from's weights are the start", key)
-        drafter.load_state_dict(start.state_dict())
-        drafter.learned = dict(start.learned)
         log.info("warm start from %s", cfg.train.init_from)
     warn_if_no_engine_serves(cfg, drafter, target, accelerator.is_main_process)
     run = prepare_run(cfg, accelerator, target, drafter, train_data, collate, target_features, heldout)
