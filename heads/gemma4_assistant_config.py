@@ -41,6 +41,12 @@ class AssistantConfig(DrafterConfig):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise UserError(f"drafter.{key} must be >= 1 or null (got {getattr(self, key)})")
         check_steps_ahead(self)
+        from draftsmith.target import names_a_missing_folder
+
+        if self.released_assistant and names_a_missing_folder(self.released_assistant):  # before any data loads
+            raise UserError(
+                f"drafter.released_assistant={self.released_assistant}: no such folder (a Hub id reads owner/name)"
+            )
         if target is not None and target.model_type not in TARGET_MODEL_TYPES:
             raise UserError(
                 f"drafter.type={self.type}: the assistant reads a Gemma-4 target's KV cache; this target is "

@@ -161,6 +161,23 @@ def test_a_released_assistant_not_in_the_cache_offline_says_so(monkeypatch, tmp_
     assert "HF_HUB_OFFLINE=1 forbids downloading it: download it once with a network, or give a local folder" in line
 
 
+def test_a_released_assistant_path_that_is_no_folder_is_one_line_before_anything_loads(tmp_path, capsys):
+    """`drafter.released_assistant=/tmp/nonexist` was refused after the data had loaded, in huggingface_hub's words
+    about a repo id's form."""
+    missing = tmp_path / "nonexist"
+    args = [
+        "train.py",
+        "recipe=gemma4_assistant",
+        f"drafter.released_assistant={missing}",
+        f"output_dir={tmp_path / 'r'}",
+    ]
+    result = run_entry_in_process(args, capsys)
+    assert_one_line_error(
+        result, 2, f"drafter.released_assistant={missing}: no such folder (a Hub id reads owner/name)"
+    )
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.fixture
 def not_a_causal_lm(tmp_path) -> tuple[Path, str]:
     """A folder holding the config of a vision-language wrapper transformers maps to no causal LM class and whose
