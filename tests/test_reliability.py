@@ -220,6 +220,29 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_resume_is_bit_identical(tmp_pat
     assert all(torch.equal(final_a[name], final_b[name]) for name in final_a)
 
 
+def test_a_resume_inside_a_log_interval_logs_the_uninterrupted_runs_line(tmp_path, small_data, token_cache, capsys):
+    """The first log line after a resume averaged the steps since the resume only: a stop at step 2 of a 4-step
+    interval logged steps 3-4's mean loss at step 4, not steps 1-4's. The checkpoint keeps the open interval."""
+    steps = [NO_EVAL, "train.max_steps=6", "train.save_every=2", "train.keep_checkpoints=3", "train.log_every=4",
+             "train.cpu_threads=1"]  # fmt: skip
+    straight = tmp_path / "straight"
+    done = run_entry_in_process(["train.py", *train_args(straight, small_data, token_cache, *steps)], capsys)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # the run as a stop after step 2 left it: its checkpoint of step 2 and what it had logged then (nothing)
+    stopped = tmp_path / "stopped"
+    (stopped / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step_0000002", stopped / "checkpoints" / "step_0000002")
+    shutil.copy(straight / "recipe.yaml", stopped / "recipe.yaml")
+    args = ["train.py", *train_args(stopped, small_data, token_cache, *steps, "train.resume=true")]
+    resumed = run_entry_in_process(args, capsys)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = read_log(straight), read_log(stopped)
+    assert sorted(b) == [4, 6]
+    for step in (4, 6):
+        assert b[step]["train/loss"] == a[step]["train/loss"], step
+        assert b[step]["train/padding_fraction"] == a[step]["train/padding_fraction"], step
+
+
 # -- 4. non-finite values ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def nan_features(tmp_path_factory, small_data, token_cache) -> Path:

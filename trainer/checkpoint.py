@@ -78,6 +78,9 @@ class TrainerState:
     # how a step is split: {"processes", "micro_batch_size", "grad_accum"} (None in what an earlier draftsmith
     # saved: taken as the resuming run's); batch_in_epoch counts micro-batches of this split
     split: Optional[dict] = None
+    # the log interval open at the checkpoint: its statistics' (total, count) over all ranks and this process's counts
+    # (Meters.carried), which the resumed run's first log line adds to its own, as the uninterrupted run's did
+    interval: Optional[dict] = None
 
 
 def resplit(state: TrainerState, split: dict) -> TrainerState:

@@ -60,6 +60,8 @@ def train(cfg: DictConfig) -> Trained:
     log.info("parameters: %s trainable, %s frozen", f"{parameters['trainable']:,}", f"{parameters['frozen']:,}")
     counts_row = {f"params/{k}": v for k, v in parameters.items()}  # in this run's first logged row
     flops, meters = FlopCounter(run.target, module), Meters(accelerator.device)
+    if state.interval:  # resumed inside a log interval: its first line averages the whole interval
+        meters.resume(state.interval, accelerator.is_main_process)
     profiler = StepProfiler(cfg.train.profile_steps, output_dir, rank)
     progress = progress_bar(total=max_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
     stop = StopRequest("SIGTERM: saving a checkpoint at the end of this step, then stopping")
@@ -83,16 +85,16 @@ def train(cfg: DictConfig) -> Trained:
                 log_step(accelerator, output_dir, state.step, {**row, **counts_row, "train/tokens": state.tokens})
                 counts_row = {}
             if state.step < max_steps and agreed.stop:  # SIGTERM on any rank, agreed in this step's all-reduce
-                preempted = checkpoint_on_sigterm(run, output_dir)
+                preempted = checkpoint_on_sigterm(run, output_dir, meters)
                 progress.close()
                 del run  # see end_run
                 end_run(accelerator)
                 raise preempted
-            save_if_due(run, output_dir)
+            save_if_due(run, output_dir, meters)
         stopping = agree(accelerator, stop=stop.requested).stop  # SIGTERM in the last step, or after its all-reduce
     progress.close()
     profiler.after_step(state.step, final=True)  # a range past the run's end: what was profiled
-    trained = Trained(finish(run, output_dir, data_checksum, parameters), run.prompt_count)
+    trained = Trained(finish(run, output_dir, data_checksum, parameters, meters), run.prompt_count)
     del run  # see end_run
     end_run(accelerator)
     if stopping:  # once final/ is saved, before what follows training (the eval stage, a monitor's evaluation)
@@ -207,10 +209,11 @@ def evaluate_if_due(run: Run, output_dir: Path) -> dict[str, float]:
     return {f"heldout/{k}": v for k, v in measured.items()}
 
 
-def checkpoint_on_sigterm(run: Run, output_dir: Path) -> Preempted:
+def checkpoint_on_sigterm(run: Run, output_dir: Path, meters: Meters) -> Preempted:
     """The checkpoint of a run stopped by SIGTERM, and the error (exit 75) that says how to continue."""
     cfg, state = run.cfg, run.state
     finite_weights_checksum(run.accelerator, run.drafter, state)
+    state.interval = meters.carried(run.accelerator)
     path = save_checkpoint(run.accelerator, run.drafter, state, output_dir, cfg.train.keep_checkpoints)
     return Preempted(
         f"stopped on SIGTERM after step {state.step} of {run.max_steps}; checkpoint {path}; "
@@ -218,16 +221,17 @@ def checkpoint_on_sigterm(run: Run, output_dir: Path) -> Preempted:
     )
 
 
-def save_if_due(run: Run, output_dir: Path) -> None:
+def save_if_due(run: Run, output_dir: Path, meters: Meters) -> None:
     """Every train.save_every steps but the last (whose checkpoint `finish` writes): a checkpoint, of finite
     weights only, so that train.keep_checkpoints never rotates the last finite one out."""
     cfg, state = run.cfg, run.state
     if cfg.train.save_every > 0 and state.step % cfg.train.save_every == 0 and state.step < run.max_steps:
         finite_weights_checksum(run.accelerator, run.drafter, state)
+        state.interval = meters.carried(run.accelerator)
         save_checkpoint(run.accelerator, run.drafter, state, output_dir, cfg.train.keep_checkpoints)
 
 
-def finish(run: Run, output_dir: Path, data_checksum: int, parameters: dict[str, int]) -> Path:
+def finish(run: Run, output_dir: Path, data_checksum: int, parameters: dict[str, int], meters: Meters) -> Path:
     """The end of a run that was not stopped: why it ended, the final checkpoint, the trained drafter in
     `final/` (returned), curve.json and run_summary.json."""
     cfg, accelerator, state = run.cfg, run.accelerator, run.state
@@ -250,6 +254,7 @@ def finish(run: Run, output_dir: Path, data_checksum: int, parameters: dict[str,
             state.best["tau_est"] if state.best else float("nan"),
             output_dir / BEST_DIR,
         )
+    state.interval = meters.carried(accelerator)  # empty where the last step's log line closed it
     save_checkpoint(accelerator, run.drafter, state, output_dir, cfg.train.keep_checkpoints)
     final_dir = output_dir / FINAL_DIR
     save_final(accelerator, run.drafter, final_dir)

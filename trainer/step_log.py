@@ -38,6 +38,23 @@ class Meters:
         self.tokens, self.positions, self.global_tokens, self.rows = 0, 0, 0, 0
         self.start = time.perf_counter()
 
+    def carried(self, accelerator) -> dict:
+        """The open interval as a checkpoint keeps it (TrainerState.interval): the statistics summed over ranks (a
+        collective: every rank calls it), and this process's counts, which the main process logs (its padding). The
+        throughput is the resumed run's own: its clock starts again."""
+        names = sorted(self.stats)
+        totals = accelerator.reduce(torch.stack([self.stats[n] for n in names]), reduction="sum") if names else []
+        stats = {name: total.tolist() for name, total in zip(names, totals)}
+        return {"stats": stats, "tokens": self.tokens, "positions": self.positions, "rows": self.rows}
+
+    def resume(self, interval: dict, main: bool) -> None:
+        """Continue the interval a checkpoint kept (`carried`): its statistics on the main process alone, as the
+        sum over ranks at the log line then holds them once."""
+        if main:
+            for name, values in interval["stats"].items():
+                self.stats[name] += torch.tensor(values, dtype=self.stats[name].dtype, device=self.stats[name].device)
+            self.tokens, self.positions, self.rows = interval["tokens"], interval["positions"], interval["rows"]
+
     def add(self, done: StepResult) -> None:
         if not done.agreed.nonfinite:
             for name, values in done.stats.items():
