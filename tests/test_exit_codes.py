@@ -477,8 +477,8 @@ def test_ctrl_c_during_training_says_how_to_continue(tmp_path, small_data, token
     real = loop.save_if_due
 
     def interrupted_at(step: int):
-        def save_then_interrupt(run, output_dir):
-            real(run, output_dir)
+        def save_then_interrupt(run, output_dir, meters):
+            real(run, output_dir, meters)
             if run.state.step == step:
                 raise KeyboardInterrupt
 
