@@ -236,21 +236,26 @@ def read_as_hub_id(name_or_path: str) -> str:
     """What to add to a load's line where `name_or_path` is no folder but its first part is one here: a local path
     mistyped, read as the Hub id owner/name (offline, or asked of the Hub, it failed as a Hub id); the closest
     folder there, where one is close."""
-    folder = Path(name_or_path).expanduser()
-    if folder.is_dir() or folder.parent == Path(".") or not folder.parent.is_dir():
+    folder = beside_a_folder(name_or_path)
+    if folder is None:
         return ""
     close = mistyped_folder(name_or_path)
     said = f": did you mean {close}?" if close else ""
     return f" (read as a Hub id: the folder {folder.parent} here has no {folder.name}{said})"
 
 
+def beside_a_folder(name_or_path: str) -> Optional[Path]:
+    """`name_or_path` as a path, where it is no folder but its first part is one here; else None."""
+    folder = Path(name_or_path).expanduser()
+    return None if folder.is_dir() or folder.parent == Path(".") or not folder.parent.is_dir() else folder
+
+
 def mistyped_folder(name_or_path: str) -> Optional[Path]:
-    """The folder beside `name_or_path` whose name is close to its own, where `name_or_path` is no folder but its
-    first part is one here (a local path mistyped), else None."""
+    """The folder beside `name_or_path` whose name is close to its own (a local path mistyped), else None."""
     import difflib
 
-    folder = Path(name_or_path).expanduser()
-    if folder.is_dir() or folder.parent == Path(".") or not folder.parent.is_dir():
+    folder = beside_a_folder(name_or_path)
+    if folder is None:
         return None
     names = [entry.name for entry in folder.parent.iterdir() if entry.is_dir()]
     close = difflib.get_close_matches(folder.name, names, n=1)

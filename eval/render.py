@@ -140,7 +140,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {cell(domain)} | {name} | {served_by} | {row['prompts']} | {_fmt(row['tau'])} "
                 f"| {_fmt(row['alpha'])} | {per_position} | {_fmt(row['draft_forwards_per_cycle'])} "
-                f"| {row['tokens_per_s']:.1f} | {_fmt(row['speedup'])}×{_spread(row, name)} | {lossless} |"
+                f"| {row['tokens_per_s']:.1f} | {speedup_cell(row, name)} | {lossless} |"
             )
     lines += [
         "",
@@ -329,9 +329,14 @@ def timed(report: dict[str, Any], row: dict[str, Any]) -> str:
     return f"{row['prompts']} prompts timed in {timed_batches(report, row)} batches"
 
 
-def _spread(row: dict[str, Any], name: str) -> str:
+def speedup_cell(row: dict[str, Any], name: str) -> str:
+    """A row's speed-up over plain decoding with its 95% interval (none for plain itself), or – where it has none
+    (a report from before speed-ups); the report's table and an export's card show it so."""
+    if row.get("speedup") is None:
+        return "–"
     interval = row.get("speedup_interval")
-    return "" if name == "plain" or not interval else f" ({interval[0]:.2f}–{interval[1]:.2f})"
+    spread = "" if name == "plain" or not interval else f" ({interval[0]:.2f}–{interval[1]:.2f})"
+    return f"{row['speedup']:.2f}×{spread}"
 
 
 def render_batch_sweep(sweep: dict[str, Any]) -> list[str]:

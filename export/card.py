@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from draftsmith.engines import SERVING_ENGINES
 from draftsmith.eval.partings import NEAR_TIE_UNITS
-from draftsmith.eval.render import FREE_BASELINES, conclusion
+from draftsmith.eval.render import FREE_BASELINES, conclusion, speedup_cell
 from draftsmith.formats.repo import (
     TRUST_REMOTE_CODE_FLAG,
     VLLM_CPU_SAMPLING_FAULT,
@@ -240,18 +240,9 @@ def acceptance_section(report: Optional[dict[str, Any]]) -> list[str]:
             tau = "–" if row["tau"] is None else f"{row['tau']:.2f}"
             alpha = "–" if row["alpha"] is None else f"{row['alpha']:.2f}"
             served_by = methods.get(method, {}).get("served_by", "–")  # reports before served_by: unknown
-            cells = [domain, method, served_by, tau, alpha, per_position, speedup(row), lossless]
+            cells = [domain, method, served_by, tau, alpha, per_position, speedup_cell(row, method), lossless]
             lines.append(f"| {' | '.join(cells)} |")
     return [*lines, "", *conclusion(report)]  # the eval's own verdict on the drafter against the free methods
-
-
-def speedup(row: dict[str, Any]) -> str:
-    """A row's speed-up over plain decoding with its 95% interval, or – where the report has none (reports before
-    speed-ups, or a method timed on too few batches for an interval)."""
-    if row.get("speedup") is None:
-        return "–"
-    interval = row.get("speedup_interval")
-    return f"{row['speedup']:.2f}×" + (f" ({interval[0]:.2f}–{interval[1]:.2f})" if interval else "")
 
 
 def engine_section(verified: Optional[dict[str, Any]]) -> list[str]:
