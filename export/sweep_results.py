@@ -129,7 +129,9 @@ def summarize(
             candidates = [r for r in rows if r["method"] == method and r["concurrency"] == c and r["gamma"] > 0]
             if candidates:
                 top = max(candidates, key=lambda r: r["tok_s"])
-                best[method][c] = {key: top[key] for key in ("gamma", "speedup", "tok_s", "tau")}
+                # requests: how many prompts τ is over (max(min_requests, requests_per_slot x c)), so τ at two levels
+                # differs by the prompts as well as by the load
+                best[method][c] = {key: top[key] for key in ("gamma", "speedup", "tok_s", "tau", "requests")}
                 best[method][c]["beats_plain"] = None if top["speedup"] is None else top["speedup"] > 1.0
                 best[method][c]["within_noise"] = (
                     None if top["speedup"] is None or noise is None else abs(top["speedup"] - 1) <= noise

