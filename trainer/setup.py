@@ -166,6 +166,10 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
             if getattr(drafter.config, key) is not None:
                 log.warning("drafter.%s is not read: train.init_from's weights are the start", key)
         log.info("warm start from %s", cfg.train.init_from)
+    else:  # a kind's own released start (a draft model, a released assistant), said as a warm start is
+        for key in drafter.config.STARTS:
+            if getattr(drafter.config, key) is not None:
+                log.info("starting from drafter.%s=%s", key, getattr(drafter.config, key))
     warn_if_no_engine_serves(cfg, drafter, target, accelerator.is_main_process)
     run = prepare_run(cfg, accelerator, target, drafter, train_data, collate, target_features, heldout)
     run.prompt_count = prompt_count
