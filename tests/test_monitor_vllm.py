@@ -47,7 +47,7 @@ class VllmServer:
         self.port = free_port()
         (serve,) = [line for line in (export / "README.md").read_text().splitlines() if line.startswith("vllm serve ")]
         python, *arguments = shlex.split(vllm_cpu_serve(serve))
-        assert python == "python"
+        assert python == "vllm-venv/bin/python"  # the docs' name for the environment vllm-cpu is installed in
         self.model = arguments[arguments.index("--model") + 1]  # the name the server answers to
         self.process = subprocess.Popen(
             [vllm_python, *arguments, "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "1024",
