@@ -177,6 +177,14 @@ def require_drafter_folder(cfg) -> None:
     if engine_folder(folder) is None:
         raise not_a_drafter(folder)
     require_weights_as_configured(folder)
+    if checkpoint_kind(folder) is not None:  # a draftsmith checkpoint's settings are read without a target
+        kind, saved = saved_drafter(folder)[:2]
+        recipe = OmegaConf.to_object(cfg.drafter)
+        what = f"train.init_from={cfg.train.init_from}"
+        require_recipes_kind(kind.type, recipe.type, what)
+        # what the recipe leaves null is the target's or the start's to fill: only `warm_start` can compare it
+        given = replace(saved, **{key: value for key, value in asdict(recipe).items() if value is not None})
+        require_recipes_drafter(kind.type, saved, recipe.type, given, what, cfg.train.init_from)
 
 
 def warm_start(path: str | Path, drafter, target_model):

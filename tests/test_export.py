@@ -737,6 +737,13 @@ def test_a_checkpoint_of_another_kind_than_the_recipe_s_is_refused_as_a_warm_sta
     started = run_entry_in_process([*train, f"output_dir={run}"], capsys)
     assert_one_line_error(started, 2, f"{engine_folder} holds a medusa drafter, the recipe trains eagle3")
     assert not run.exists() or not any(run.iterdir())
+    # and a checkpoint of the recipe's kind but of another architecture than the recipe sets (it was refused only
+    # after the data and the target had loaded); what the recipe leaves null is compared once the drafter is built
+    train = ["train.py", "recipe=medusa", f"data.train=[{unreadable}]", f"train.init_from={checkpoint}"]
+    started = run_entry_in_process([*train, "drafter.num_heads=5", f"output_dir={run}"], capsys)
+    line = f"train.init_from={checkpoint} is another architecture than the recipe's: drafter.num_heads=5 ({checkpoint}"
+    assert_one_line_error(started, 2, line)
+    assert not run.exists() or not any(run.iterdir())
 
 
 def test_the_card_states_the_training_of_the_run_that_saved_the_checkpoint(target, tmp_path):
