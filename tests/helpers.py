@@ -908,7 +908,7 @@ def sweep_row(
     gained = 1 + (sum(accepted) / drafts if drafts else 0)
     return {"method": method, "gamma": gamma, "concurrency": concurrency, "seconds": 100 * request_step_s,
             "tokens": round(100 * gained), "steps": 100, "mean_batch": 1.0, "drafts": drafts,
-            "accepted_per_position": list(accepted), "source_sha256": source}  # fmt: skip
+            "accepted_per_position": list(accepted), "source_sha256": source, "requests": 1}  # fmt: skip
 
 
 def sweep(plain_step: dict[int, float], draft_step: dict[tuple[int, int], float], accepted=(60, 30, 10)) -> list[dict]:
