@@ -1646,6 +1646,12 @@ def test_the_export_says_what_its_engine_check_measured(tmp_path):
     assert engine_check_line(tmp_path) == (
         "checked in vllm 0.32.0 on 32 prompts: lossless, τ 1.194 against draftsmith's 1.195 (-0.1%, tolerance 2%)"
     )
+    # a check in bfloat16 that passed with outputs parting at near ties (a Qwen3-Next's) said "NOT lossless"
+    partings = [{"prompt": 3, "position": 9, "units": 1.6, "near_tie": True}] * 8
+    (tmp_path / EXPORT_INFO).write_text(json.dumps({"verified": checked | {"lossless": False, "partings": partings}}))
+    assert "prompts: lossless but for 8 bfloat16 near-tie flip(s), which the check allows, τ 1.194" in (
+        engine_check_line(tmp_path)
+    )
     (tmp_path / EXPORT_INFO).write_text(json.dumps({"verified": None}))
     assert engine_check_line(tmp_path) == "not checked in an engine (export.vllm_python unset)"
     assert engine_check_line(tmp_path, "sglang") == (
