@@ -161,3 +161,14 @@ def push_folders(cfg: DictConfig, folders: dict[str, Path], report: Optional[dic
         heads[engine] = commit.oid
         log.info("pushed %s to %s@%s (%s)", folder, repo_id, push.revision, commit.oid[:12])
     return heads
+
+
+def require_push_allowed(cfg: DictConfig) -> None:
+    """A push with HF_HUB_OFFLINE=1 set cannot happen: refused before any folder is written, not after."""
+    from huggingface_hub import constants
+
+    if cfg.export.push.repo_id and constants.HF_HUB_OFFLINE:
+        raise UserError(
+            f"export.push.repo_id={cfg.export.push.repo_id} pushes to the Hub, which HF_HUB_OFFLINE=1 forbids: "
+            "unset HF_HUB_OFFLINE, or leave export.push.repo_id out to export without pushing"
+        )

@@ -71,6 +71,7 @@ from draftsmith.target import (
     resolve_device,
     resolve_dtype,
 )
+from draftsmith.target_loading import load_config
 
 EXPORT_FORMAT = 1
 
@@ -80,6 +81,8 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
     export.verify.EngineSession to ask vLLM and run its check in (one of its own, closed at the end, if None); `served`:
     the SERVED drafter settings the command line gave (formats/folder.py's served_settings)."""
     output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
+    from draftsmith.export.push import require_push_allowed
+
     require_push_allowed(cfg)
     named = f"export.output={str(output)!r}"
     require_outside_published(output, checkpoint, named, "the eval report and the monitor identify it by")
@@ -102,6 +105,10 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
             exporter = exporter_for(kind)
             releases = exporter.releases(saved["drafter"], cfg.export.num_speculative_tokens)
             require_vllm_serves(exporter.vllm_method, releases, cfg.export.vllm_python)
+            # what the target's config rules out in the recipe's dtype, before the report's dtype is compared (a float16
+            # export was told to evaluate the drafter in float16, then refused so once the target had loaded)
+            named = None if cfg.target.dtype == "auto" else cfg.target.dtype
+            require_build_serves(load_config(cfg.target).to_dict(), cfg.export.vllm_python, dtype=named)
         source_digest = checkpoint_digest(checkpoint)  # its config.json as well as its weights
         serving = served_values(saved_drafter(checkpoint)[1], served)  # what the sweep and report must have served
         schedule = batch_schedule_of(cfg, source_digest, serving)  # before the target loads: a bad sweep stops here
@@ -156,17 +163,6 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
 
         push_folders(cfg, folders, report)
     return folders
-
-
-def require_push_allowed(cfg: DictConfig) -> None:
-    """A push with HF_HUB_OFFLINE=1 set cannot happen: refused before any folder is written, not after."""
-    from huggingface_hub import constants
-
-    if cfg.export.push.repo_id and constants.HF_HUB_OFFLINE:
-        raise UserError(
-            f"export.push.repo_id={cfg.export.push.repo_id} pushes to the Hub, which HF_HUB_OFFLINE=1 forbids: "
-            "unset HF_HUB_OFFLINE, or leave export.push.repo_id out to export without pushing"
-        )
 
 
 def load_source(cfg: DictConfig, checkpoint: Path, target, served=None) -> Source:

@@ -105,7 +105,8 @@ def check_tap_layers(layers: list[int], num_layers: int, key: str, default: Opti
     if bad:
         raise UserError(
             f"{where}: layer id(s) {bad} out of range for a target with {num_layers} layers (valid: "
-            f"-1..{num_layers - 1}){hint}"
+            f"-1..{num_layers - 1}; {num_layers - 1}, the normed last state, trains but is refused at export: vLLM "
+            "cannot capture it as a tap){hint}"
         )
     if any(b <= a for a, b in zip(layers, layers[1:])):
         raise UserError(f"{where}: ids must be distinct and increasing (engines concatenate the layers in order){hint}")

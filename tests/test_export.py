@@ -1121,7 +1121,7 @@ def test_the_folder_names_the_builds_that_serve_it_and_the_cpu_build_is_refused_
     assert "`--dtype bfloat16 --no-enable-prefix-caching`" in served_builds(hybrid)
 
 
-def test_a_vllm_that_cannot_import_the_targets_model_is_refused_before_it_starts(tmp_path, capsys):
+def test_a_vllm_that_cannot_import_the_targets_model_is_refused_before_it_starts(tmp_path, capsys, monkeypatch):
     """vLLM's Qwen3.5 module imports torchvision (through transformers' Qwen2-VL image processor): an export
     checked with a vLLM whose environment has no torchvision that loads (pip's CUDA wheel beside the CPU
     torch) is refused in one line that says what to install, nothing written; one whose torchvision loads
@@ -1140,6 +1140,15 @@ def test_a_vllm_that_cannot_import_the_targets_model_is_refused_before_it_starts
     result = run_entry_in_process([*args, f"export.vllm_python={without}"], capsys)
     assert_one_line_error(result, 2, "linear-attention (Gated DeltaNet) kernels take bfloat16 only")
     assert "loaded in float32: set target.dtype=bfloat16" in result.stderr
+    # a dtype the recipe names is refused before the target loads and before a report's dtype is compared: an export
+    # in float16 was told to evaluate the drafter in float16, then refused so once the target had loaded
+    import draftsmith.export.run as run
+
+    monkeypatch.setattr(run, "find_report", lambda *a, **k: pytest.fail("the report's dtype was compared first"))
+    monkeypatch.setattr(run, "load_target", lambda *a, **k: pytest.fail("the target loaded first"))
+    result = run_entry_in_process([*args, f"export.vllm_python={without}", "target.dtype=float16"], capsys)
+    assert "loaded in float16: set target.dtype=bfloat16" in assert_one_line_error(result, 2, "take bfloat16 only")
+    monkeypatch.undo()
     result = run_entry_in_process([*args, f"export.vllm_python={without}", "target.dtype=bfloat16"], capsys)
     assert_one_line_error(result, 2, "export.vllm_python's environment cannot import vLLM's Qwen3_5ForCausalLM model")
     assert "download.pytorch.org/whl/cpu" in result.stderr and "benchmarks/vision_vllm_env.sh" in result.stderr
