@@ -50,7 +50,9 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
     untrained = drafter_class(trained.type).from_target(
         OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
     )
-    if cfg.data.draft_vocab:  # the rows the trainer prepared on (trainer/setup.py)
+    if cfg.train.init_from:  # a warm start's baseline is where the run began, not a drafter no run trained
+        load_warm_start(cfg.train.init_from, untrained, target)
+    elif cfg.data.draft_vocab:  # the rows the trainer prepared on (trainer/setup.py)
         untrained.prepare(load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab", digests))
     elif cfg.data.features:
         untrained.prepare(open_features(cfg.data.features))
@@ -58,8 +60,6 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
         untrained.prepare(
             train if train is not None else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train", digests)
         )
-    if cfg.train.init_from:  # a warm start's baseline is where the run began, not a drafter no run trained
-        load_warm_start(cfg.train.init_from, untrained, target)
     untrained.to(device)
     collate = Collator(tokenizer.pad_token_id, draw_seed=cfg.train.seed)  # DFlash's anchors: the held-out ones'
     trained_means, untrained_means = metric_means(

@@ -689,7 +689,7 @@ def test_aux_layers_default_and_bad_values():
 
 # -- the real trainer -----------------------------------------------------------------------------
 @pytest.mark.slow
-def test_real_trainer_lowers_the_loss_and_saves_the_draft_vocabulary(tmp_path, small_data, token_cache):
+def test_real_trainer_lowers_the_loss_and_saves_the_draft_vocabulary(tmp_path, small_data, token_cache, caplog):
 
     output_dir = tmp_path / "run"
     args = train_args(output_dir, small_data, token_cache, "train.max_steps=16", "train.lr=3e-3", "data.max_length=96")
@@ -711,6 +711,18 @@ def test_real_trainer_lowers_the_loss_and_saves_the_draft_vocabulary(tmp_path, s
     assert weights["lm_head.weight"].shape[0] == 1024 and int(weights["t2d"].sum()) == 1024
     config = json.loads((final / "config.json").read_text())
     assert config["drafter"]["aux_layers"] == [0, 1, 2] and 0.5 < config["learned"]["draft_vocab_coverage"] <= 1
+
+    # a warm start keeps its start's vocabulary: it was fitted to the new run's data first (a pass over it, and a log
+    # line naming a vocabulary the run never trained), then overwritten by the start's
+    warm = ["recipe=eagle3", *train_args(tmp_path / "warm", small_data, token_cache, "train.max_steps=1")[1:]]
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        train_in_process(
+            [*warm, "drafter.draft_vocab_size=1024", f"train.init_from={final}", "data.max_conversations=4"]
+        )
+    assert "draft vocabulary:" not in caplog.text and f"warm start from {final}" in caplog.text
+    started = load_file(str(tmp_path / "warm" / "final" / "model.safetensors"))
+    assert torch.equal(started["t2d"], weights["t2d"]) and torch.equal(started["d2t"], weights["d2t"])
 
 
 @pytest.mark.slow

@@ -156,8 +156,10 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     if cfg.eval.enabled:  # the chain the eval stage asks, against the built drafter's (an MTP release's depth count)
         check_chain(cfg, type(drafter), drafter.config)
     train_data, collate, target_features = training_inputs(cfg, tokenizer, target, drafter, train_data)
-    # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
-    drafter.prepare(train_data, vocab_from=vocab_data)
+    # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank; a warm start keeps its start's
+    # (load_warm_start), so fitting it here was a pass over the data whose log line named a vocabulary not trained
+    if resume_from is not None or not cfg.train.init_from:
+        drafter.prepare(train_data, vocab_from=vocab_data)
     if resume_from is not None:  # its weights must be of the drafter the recipe builds
         require_recipes_drafter(saved_kind.type, saved_config, drafter.type, drafter.config, resumed_what, resume_from)
     elif cfg.train.init_from:  # warm start: a checkpoint, an export's folder or speculators'
