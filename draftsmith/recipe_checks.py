@@ -9,10 +9,10 @@ import math
 import re
 import urllib.parse
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.engines import PROMPT_LOOKUP_MIN, SERVING_ENGINES, VLLM_FORMATS, arctic_build, suffix_decoding_installed
 from draftsmith.errors import UserError
@@ -377,3 +377,20 @@ def resolve_bool_or_path(value: Optional[str]) -> Optional[str]:
     if str(value).lower() == "true":
         return "latest"
     return str(value)
+
+
+def unset_keys(cfg: DictConfig) -> list[str]:
+    """The keys whose value is OmegaConf's MISSING (`???`), read from the plain container: OmegaConf.missing_keys walks
+    the config node by node, a sixth of a recipe's validation."""
+
+    def walk(node: Any, key: str):
+        if isinstance(node, dict):
+            for name, value in node.items():
+                yield from walk(value, f"{key}.{name}" if key else str(name))
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                yield from walk(value, f"{key}[{index}]")
+        elif node == "???":
+            yield key
+
+    return sorted(walk(OmegaConf.to_container(cfg, resolve=False), ""))

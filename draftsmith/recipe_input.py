@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.resources import bundled, recipes_dir
@@ -210,3 +211,35 @@ def expand_home(cfg: DictConfig) -> None:
             OmegaConf.update(cfg, key, home(node), merge=False)
 
     walk(OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False), "")
+
+
+def omegaconf_error_line(err: Exception) -> str:
+    """OmegaConf's refusal in one line: what is wrong, and the key."""
+    text = str(err).strip().splitlines()
+    # OmegaConf appends "full_key: ..., object_type=..." lines; the first line says what is wrong (one_line keeps all).
+    head = text[0] if text else type(err).__name__
+    full_key = next((line.split(":", 1)[1].strip() for line in text if line.startswith("full_key:")), "")
+    return f"{head} (key: {full_key})" if full_key and full_key not in head else head
+
+
+def closest_key(cfg: DictConfig, key: str) -> str:
+    """`: did you mean KEY?` with the recipe key most like `key` (a misspelling's), or nothing."""
+
+    def keys(node: Any, prefix: str) -> list[str]:
+        if not isinstance(node, dict):
+            return [prefix]
+        return [path for name, value in node.items() for path in keys(value, f"{prefix}{name}.")]
+
+    known = [path.rstrip(".") for path in keys(OmegaConf.to_container(cfg, throw_on_missing=False), "")]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    if not close:  # a word of a key's name, in its section: `target.path` for target.name_or_path
+        section, _, leaf = key.rpartition(".")
+        close = [k for k in known if k.rpartition(".")[0] == section and leaf in k.rpartition(".")[2].split("_")]
+    return f": did you mean {close[0]}?" if len(close) == 1 else ""
+
+
+def invalid_recipe(path: Path, cfg: DictConfig, raw: DictConfig, drafter_type: str, err: Exception) -> UserError:
+    """The line for what OmegaConf refuses of a recipe: a key the file misspells told the closest, as an override's."""
+    hint = closest_key(cfg, err.full_key) if isinstance(err, ConfigKeyError) and err.full_key else ""
+    hint = other_kinds_key(raw, drafter_type, err.full_key) or hint
+    return UserError(f"invalid recipe {path.name}: {omegaconf_error_line(err)}{hint}")

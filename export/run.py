@@ -52,6 +52,7 @@ from draftsmith.formats.repo import (
     vllm_pinned,
 )
 from draftsmith.formats.versions import (
+    cpu_build_limit,
     require_build_serves,
     require_draft_config_read_as_written,
     require_engine_imports,
@@ -105,10 +106,12 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
             exporter = exporter_for(kind)
             releases = exporter.releases(saved["drafter"], cfg.export.num_speculative_tokens)
             require_vllm_serves(exporter.vllm_method, releases, cfg.export.vllm_python)
-            # what the target's config rules out in the recipe's dtype, before the report's dtype is compared (a float16
-            # export was told to evaluate the drafter in float16, then refused so once the target had loaded)
-            named = None if cfg.target.dtype == "auto" else cfg.target.dtype
-            require_build_serves(load_config(cfg.target).to_dict(), cfg.export.vllm_python, dtype=named)
+            # a dtype the build cannot serve the target in, before the report's dtype is compared (a float16 export was
+            # told to evaluate the drafter in float16, then refused so once the target had loaded); other limits are
+            # said once it is loaded, the drafter's first
+            named, config = None if cfg.target.dtype == "auto" else cfg.target.dtype, load_config(cfg.target).to_dict()
+            if cpu_build_limit(config) is None:
+                require_build_serves(config, cfg.export.vllm_python, dtype=named)
         source_digest = checkpoint_digest(checkpoint)  # its config.json as well as its weights
         serving = served_values(saved_drafter(checkpoint)[1], served)  # what the sweep and report must have served
         schedule = batch_schedule_of(cfg, source_digest, serving)  # before the target loads: a bad sweep stops here

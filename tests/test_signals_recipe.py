@@ -11,7 +11,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from draftsmith.errors import EXIT_PREEMPTED, Preempted, run_cli
-from draftsmith.recipe import parsed_recipe
+from draftsmith.recipe import file_sections, on_schema, parsed_recipe
 from tests.helpers import assert_one_line_error, run_entry_in_process
 
 KEPT = "preempted: stopped on SIGTERM; what was finished is kept: "
@@ -42,7 +42,8 @@ def test_sigterm_while_the_recipe_is_read_is_preempted_with_the_command_s_advice
         raise AssertionError("SIGTERM did not stop the read")
 
     monkeypatch.setattr(yaml, reader, terminated)
-    parsed_recipe.cache_clear()  # a recipe file is parsed once a process: this test's read must parse it
+    for cached in (parsed_recipe, file_sections, on_schema):  # a recipe is read once a process: this test must read it
+        cached.cache_clear()
     output_dir = tmp_path / "run"
     result = run_entry_in_process([*command, "recipe=medusa", f"output_dir={output_dir}"], capsys)
     monkeypatch.setattr(yaml, reader, real)
