@@ -44,6 +44,7 @@ from draftsmith.monitor.drift import (
     drift_reason,
     engine_tests,
     free_against_drafter,
+    judge_on_mix,
     measured_summary,
     new_evidence,
     request_tests,
@@ -52,7 +53,7 @@ from draftsmith.monitor.drift import (
 from draftsmith.monitor.metrics import collect, engine_version, window
 from draftsmith.monitor.redeploy import AWAITING, awaiting_action, note_restarts
 from draftsmith.monitor.reverify import engine_change, faulty_sampling, reverify_action
-from draftsmith.monitor.state import State, iso_seconds, set_stateless_checks_aside
+from draftsmith.monitor.state import State, check_record_paths, iso_seconds, set_stateless_checks_aside, write_record
 from draftsmith.monitor.traffic import require_traffic_dir, sample, write_conversations
 from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock
 from draftsmith.recipe import derived
@@ -166,7 +167,7 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, deployed:
     # a check killed before its record was saved left its folder under the number this one takes; nothing reads it
     shutil.rmtree(folder, ignore_errors=True)
     try:
-        verdicts, change, waiting = [], None, []
+        verdicts, change, waiting, judged = [], None, [], []
         if settings.metrics:
             record["engine"], judged, change = measure_engine(cfg, state, deployed, baseline, now)
             verdicts += judged
@@ -179,7 +180,11 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, deployed:
             record["verdict"] = AWAITING
         else:
             if settings.traffic:
-                record["traffic"] = measure_traffic(cfg, folder, deployed, baseline, now, state.judged_since)
+                scraped = (record.get("engine") or {}).get("since")
+                record["traffic"] = measure_traffic(cfg, folder, deployed, baseline, now, state.judged_since, scraped)
+                if judged:  # the counters against the baseline over the mix of domains logged in their window
+                    judge_on_mix(record["engine"], baseline, record["traffic"].get("since_scrape", {}), settings)
+                    verdicts[:1] = [record["engine"]["verdict"]]
                 verdicts.append(record["traffic"]["verdict"])
             fresh = new_evidence(record, state.last_check)
             drift = count_drift(state, verdicts, change, fresh)
@@ -249,7 +254,7 @@ def measure_engine(
         log.warning("monitor: %s", note)
         engine = {**measured.as_dict(), "verdict": TOO_FEW, "note": note}
     else:
-        tests = engine_tests(measured, baseline, settings) if serving.counts_drafts else {}
+        tests = engine_tests(measured.as_dict(), baseline, settings) if serving.counts_drafts else {}
         engine = {
             **measured.as_dict(),
             "since": state.last_check["time"],  # the check that saved the counters this window starts from
@@ -362,13 +367,14 @@ def decide(
     return Outcome.DRIFT, "retrain"
 
 
-def check_record_paths(directory: Path, number: int) -> tuple[Path, Path]:
-    """Check `number`'s folder (its traffic sample and the replay's eval) and its record."""
-    return directory / "checks" / f"{number:05d}", directory / "checks" / f"{number:05d}.json"
-
-
 def measure_traffic(
-    cfg: DictConfig, check_dir: Path, deployed: dict[str, Any], baseline: Baseline, now: float, since: float
+    cfg: DictConfig,
+    check_dir: Path,
+    deployed: dict[str, Any],
+    baseline: Baseline,
+    now: float,
+    since: float,
+    scraped: Optional[str] = None,
 ) -> dict[str, Any]:
     """Acceptance per domain of recent traffic: from the engine's per-request counts where the logged
     requests carry them (monitor/traffic.py), else by replay, draftsmith's eval of the deployed
@@ -377,8 +383,9 @@ def measure_traffic(
     domain's latest request time (new_evidence)."""
     from draftsmith.eval.report import run_eval
 
+    window_start = None if scraped is None else datetime.datetime.fromisoformat(scraped).timestamp()
     requests, summary = sample(
-        Path(cfg.monitor.traffic), cfg.monitor.sample_per_domain, cfg.monitor.traffic_window_s, now, since
+        Path(cfg.monitor.traffic), cfg.monitor.sample_per_domain, cfg.monitor.traffic_window_s, now, since, window_start
     )
     summary["newest_request"] = {}
     for request in requests:
@@ -419,31 +426,3 @@ def drifted_domains(record: dict[str, Any]) -> list[str]:
     domains = record.get("traffic", {}).get("domains", {})
     marked = [name for name, test in domains.items() if test["verdict"] == DRIFT or test["new_domain"]]
     return marked or sorted(domains)
-
-
-def write_record(directory: Path, number: int, record: dict[str, Any], now: float) -> Path:
-    path = check_record_paths(directory, number)[1]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(record, indent=2, default=str) + "\n")
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(directory / "tb"))
-    try:
-        engine = record.get("engine", {})
-        for name, value in (
-            ("engine/alpha", engine.get("alpha")),
-            ("engine/tau", engine.get("tau")),
-            ("baseline/alpha", record["baseline"]["alpha"]),
-        ):
-            if value is not None:
-                writer.add_scalar(name, value, number, walltime=now)
-        for position, rate in enumerate(engine.get("at_least", [])):
-            writer.add_scalar(f"engine/at_least_{position + 1}", rate, number, walltime=now)
-        for domain, test in record.get("traffic", {}).get("domains", {}).items():
-            if test["measured"] is not None:
-                writer.add_scalar(f"traffic/{domain}/alpha", test["measured"], number, walltime=now)
-        writer.add_scalar("decision/drift", float(record["decision"]["drift"]), number, walltime=now)
-        writer.add_scalar("decision/consecutive", record["decision"]["consecutive"], number, walltime=now)
-    finally:
-        writer.close()
-    return path

@@ -19,7 +19,7 @@ import datetime
 import logging
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from statistics import NormalDist
 from typing import Any, Optional
 
@@ -77,6 +77,21 @@ class Baseline:
     temperature: float
     source: str
     weights: Optional[str] = None  # the sha256 of the weights the report measured (draftsmith.formats.folder)
+    # each domain's chain counts per eval prompt ("all" too): what the eval would count on another mix of them
+    per_prompt: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def on_mix(self, requests: dict[str, int]) -> Baseline:
+        """The baseline over the traffic's own mix of domains (`requests`: logged requests per domain): each domain's
+        counts per eval prompt weighted by its requests, a domain the eval never measured counted as the whole eval.
+        Against the eval's own mix, a check after a retraining for new domains found drift on the old domains'
+        traffic with every domain at its own baseline: their held-out prompts had raised the overall one."""
+        rows = [(count, self.per_prompt.get(domain, self.per_prompt.get("all"))) for domain, count in requests.items()]
+        rows = [(count, row) for count, row in rows if count and row]
+        drafted, cycles = (sum(count * row[key] for count, row in rows) for key in ("drafted", "cycles"))
+        if not drafted or not cycles:
+            return self
+        at = [sum(count * row["accepted_at"][k] for count, row in rows) / cycles for k in range(len(self.at_least))]
+        return replace(self, alpha=sum(count * row["accepted"] for count, row in rows) / drafted, at_least=at)
 
     @classmethod
     def from_report(cls, report: dict[str, Any], source: str) -> Baseline:
@@ -103,6 +118,7 @@ class Baseline:
                 for name, rows in report["domains"].items()
                 if name != "all" and rows["chain"].get("drafted")
             }
+            per_prompt = {name: counts_per_prompt(rows["chain"]) for name, rows in report["domains"].items()}
         except (KeyError, TypeError, AttributeError) as err:  # a report of another shape, or an edited one
             raise UserError(
                 f"{source} is not a draftsmith eval report with chain rows ({type(err).__name__}: {err}): give the "
@@ -128,15 +144,37 @@ class Baseline:
             temperature=report.get("temperature", 0.0),
             source=source,
             weights=(report.get("drafter") or {}).get("sha256"),
+            per_prompt={name: counts for name, counts in per_prompt.items() if counts},
         )
 
 
-def engine_tests(window, baseline: Baseline, settings) -> dict[str, dict[str, Any]]:
-    """α and each position's P(accepted >= k), from the engine's counters over the window."""
-    tests = {"alpha": judge(window.alpha, window.drafts, baseline.alpha, settings)}
-    for position, rate in enumerate(window.at_least):
+def counts_per_prompt(chain: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A chain row's drafted and accepted tokens, verify steps and acceptances at each draft position, per prompt."""
+    prompts, counts = chain.get("prompts") or 0, chain["per_position_counts"]
+    if not prompts or not chain.get("drafted") or not counts["reached"]:
+        return None
+    share = {"drafted": chain["drafted"], "accepted": chain["accepted"], "cycles": counts["reached"][0]}
+    return {key: value / prompts for key, value in share.items()} | {
+        "accepted_at": [accepted / prompts for accepted in counts["accepted"]]
+    }
+
+
+def judge_on_mix(engine: dict[str, Any], baseline: Baseline, requests: dict[str, int], settings) -> None:
+    """The engine's tests (`engine`, its record) judged again against the baseline over the mix of domains the
+    request logs hold for its window (`requests`: logged requests per domain since the previous scrape), which they
+    record; left as judged where no request was logged in it."""
+    if not engine.get("tests") or not any(requests.values()) or not baseline.per_prompt:
+        return
+    engine["tests"] = engine_tests(engine, baseline.on_mix(requests), settings)
+    engine["verdict"], engine["baseline_mix"] = verdict_of(engine["tests"]), dict(requests)
+
+
+def engine_tests(window: dict[str, Any], baseline: Baseline, settings) -> dict[str, dict[str, Any]]:
+    """α and each position's P(accepted >= k), from the engine's counters over the window (its record's figures)."""
+    tests = {"alpha": judge(window["alpha"], window["drafts"], baseline.alpha, settings)}
+    for position, rate in enumerate(window["at_least"]):
         if position < len(baseline.at_least):
-            tests[f"at_least_{position + 1}"] = judge(rate, window.drafts, baseline.at_least[position], settings)
+            tests[f"at_least_{position + 1}"] = judge(rate, window["drafts"], baseline.at_least[position], settings)
     return {name: asdict(test) for name, test in tests.items()}
 
 
@@ -234,7 +272,11 @@ def drift_reason(record: dict[str, Any]) -> str:
             for name, test in engine["tests"].items()
             if test["verdict"] == DRIFT
         )
-        parts.append(f"{figures} in the engine's counters over {engine['drafts']:.0f} drafts since {engine['since']}")
+        mix = engine.get("baseline_mix")
+        over = f", the baseline over the logged requests' domains ({mix_said(mix)})" if mix else ""
+        parts.append(
+            f"{figures} in the engine's counters over {engine['drafts']:.0f} drafts since {engine['since']}{over}"
+        )
     for domain, test in (record.get("traffic") or {}).get("domains", {}).items():
         if test["verdict"] != DRIFT:
             continue
@@ -251,6 +293,11 @@ def drift_reason(record: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def mix_said(requests: dict[str, int]) -> str:
+    """Logged requests per domain, for a line: `code 12, docs 9`."""
+    return ", ".join(f"{domain} {count}" for domain, count in sorted(requests.items()))
+
+
 def measured_summary(record: dict[str, Any]) -> str:
     """What a check that found no drift measured, for its line (exit 0): the engine's α over its window's drafts
     against the baseline, and each traffic domain's verdict over the requests in the window; where too few drafts
@@ -258,8 +305,14 @@ def measured_summary(record: dict[str, Any]) -> str:
     settings, parts = record["settings"], []
     engine = record.get("engine") or {}
     if engine.get("alpha") is not None:
+        baseline = (engine.get("tests") or {}).get("alpha", {}).get("baseline", record["baseline"]["alpha"])
+        mix = (
+            f" over the logged requests' domains ({mix_said(engine['baseline_mix'])})"
+            if "baseline_mix" in engine
+            else ""
+        )
         parts.append(
-            f"the engine's α {engine['alpha']:.3f} (baseline {record['baseline']['alpha']:.3f}) over "
+            f"the engine's α {engine['alpha']:.3f} (baseline {baseline:.3f}{mix}) over "
             f"{engine['drafts']:.0f} drafts"
             + (f", fewer than monitor.min_drafts={settings['min_drafts']}" if engine["verdict"] == TOO_FEW else "")
         )

@@ -1,4 +1,5 @@
-"""The monitor's one state file, `<state_dir>/state.json` (written atomically): the drafter it monitors,
+"""The monitor's one state file, `<state_dir>/state.json` (written atomically), and each check's record beside it
+(`checks/<n>.json`, its folder `checks/<n>/`, TensorBoard under `tb/`). The state holds the drafter it monitors,
 the deployed export and its baseline, the last scrape's counters (where the next window starts), the
 drift streak, the cooldown, the retraining in progress (its completed steps, so a killed run resumes),
 and every revision promoted so far."""
@@ -88,3 +89,36 @@ def set_stateless_checks_aside(directory: Path) -> None:
         moved = move_aside(directory, earlier)
         log.warning("%s holds no %s: what earlier checks wrote (%s) moved to %s", directory, STATE_NAME,
                     ", ".join(f"{name}/" for name in earlier), moved)  # fmt: skip
+
+
+def check_record_paths(directory: Path, number: int) -> tuple[Path, Path]:
+    """Check `number`'s folder (its traffic sample and the replay's eval) and its record."""
+    return directory / "checks" / f"{number:05d}", directory / "checks" / f"{number:05d}.json"
+
+
+def write_record(directory: Path, number: int, record: dict[str, Any], now: float) -> Path:
+    path = check_record_paths(directory, number)[1]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(record, indent=2, default=str) + "\n")
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(directory / "tb"))
+    try:
+        engine = record.get("engine", {})
+        for name, value in (
+            ("engine/alpha", engine.get("alpha")),
+            ("engine/tau", engine.get("tau")),
+            ("baseline/alpha", record["baseline"]["alpha"]),
+        ):
+            if value is not None:
+                writer.add_scalar(name, value, number, walltime=now)
+        for position, rate in enumerate(engine.get("at_least", [])):
+            writer.add_scalar(f"engine/at_least_{position + 1}", rate, number, walltime=now)
+        for domain, test in record.get("traffic", {}).get("domains", {}).items():
+            if test["measured"] is not None:
+                writer.add_scalar(f"traffic/{domain}/alpha", test["measured"], number, walltime=now)
+        writer.add_scalar("decision/drift", float(record["decision"]["drift"]), number, walltime=now)
+        writer.add_scalar("decision/consecutive", record["decision"]["consecutive"], number, walltime=now)
+    finally:
+        writer.close()
+    return path

@@ -40,7 +40,7 @@ import os
 import re
 import time
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from itertools import zip_longest
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Optional
@@ -269,10 +269,16 @@ def per_request_acceptance(requests: list[dict[str, Any]]) -> dict[str, dict[str
 
 
 def sample(
-    directory: Path, per_domain: int, window_s: float, now: Optional[float] = None, since: float = 0.0
+    directory: Path,
+    per_domain: int,
+    window_s: float,
+    now: Optional[float] = None,
+    since: float = 0.0,
+    scraped: Optional[float] = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The latest `per_domain` requests per domain within the window and logged after `since` (before it, a
-    drafter the monitor replaced served them: monitor/redeploy.py); and what was read."""
+    drafter the monitor replaced served them: monitor/redeploy.py); and what was read, with the requests per domain
+    logged after `scraped` (the engine's window: the previous scrape) where given."""
     now = time.time() if now is None else now
     read: dict[str, Any] = {"requests": 0, "ahead": 0, "first": None}
 
@@ -309,6 +315,8 @@ def sample(
         # every recent request the engine reported on, not only the sample
         "per_request_acceptance": per_request_acceptance(recent),
     }
+    if scraped is not None:  # the engine's counters' mix of domains (monitor/drift.py judge_on_mix)
+        summary["since_scrape"] = dict(Counter(request["domain"] for request in recent if request["time"] > scraped))
     return [row for rows in picked.values() for row in rows], summary
 
 

@@ -33,7 +33,18 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from draftsmith.errors import EngineUnavailable, UserError
 from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.monitor import Outcome, metrics
-from draftsmith.monitor.drift import DRIFT, HEALTHY, REVERIFY, TOO_FEW, UNDECIDED, Baseline, judge, request_tests
+from draftsmith.monitor.drift import (
+    DRIFT,
+    HEALTHY,
+    REVERIFY,
+    TOO_FEW,
+    UNDECIDED,
+    Baseline,
+    engine_tests,
+    judge,
+    request_tests,
+    verdict_of,
+)
 from draftsmith.monitor.metrics import UNKNOWN, collect, engine_version, window
 from draftsmith.monitor.traffic import read_requests, sample
 from draftsmith.outputs import DirectoryLock
@@ -700,6 +711,50 @@ def test_a_drift_line_says_which_figure_fell_below_which_baseline_over_how_many_
     assert record["decision"]["reason"] == line.removeprefix("monitor: drift: ").removesuffix(
         "; report only (monitor.retrain=false)"
     )
+
+
+def test_the_counters_are_judged_against_the_baseline_over_the_domains_logged_in_their_window(tmp_path):
+    """A retraining's gate report (the old domains' prompts and the new ones' held-out) became the baseline, and the
+    old domains' traffic, each at its own baseline, was a drift against the overall one (a newcomer's monitor after
+    a promotion). The counters are judged against each domain's eval counts per prompt, weighted by the requests
+    logged since the previous scrape; a request before it is not in the mix."""
+    from draftsmith.monitor.check import check, summary
+
+    engine, logs = FakeEngine(), tmp_path / "logs"
+    logs.mkdir()
+    folder = served_export(tmp_path / "export" / "vllm")
+    code = {"prompts": 10, "drafted": 3000, "accepted": 500,
+            "per_position_counts": {"reached": [1000, 233, 167], "accepted": [233, 167, 100]}}  # fmt: skip
+    chat = {"prompts": 10, "drafted": 3000, "accepted": 2100,
+            "per_position_counts": {"reached": [1000, 900, 700], "accepted": [900, 700, 500]}}  # fmt: skip
+    every = {"prompts": 20, "drafted": 6000, "accepted": 2600,
+             "per_position_counts": {"reached": [2000, 1133, 867], "accepted": [1133, 867, 600]}}  # fmt: skip
+    report = {"temperature": 0.0, "drafter": {"sha256": "0" * 64},
+              "domains": {"code": {"chain": code}, "chat": {"chain": chat}, "all": {"chain": every}}}  # fmt: skip
+    (folder.parent / "report.json").write_text(json.dumps(report))
+    ask = {"messages": [{"role": "user", "content": "hi"}], "metrics": vllm_metrics([30, 5, 3, 2])}
+    logged = [{**ask, "domain": "chat", "timestamp": time.time() - 60}]  # before the window: not in the mix
+    (logs / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in logged))
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+                       f"monitor.metrics=[{engine.url}]", f"monitor.traffic={logs}", "monitor.retrain=false",
+                       "monitor.traffic_window_s=3600"])  # fmt: skip
+    try:
+        check(cfg)  # the counters' window starts
+        logged += [{**ask, "domain": "code", "timestamp": time.time() + 1} for _ in range(6)]
+        (logs / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in logged))
+        engine.serve(2000, DROPPED)  # code's own acceptance: α 0.167 against the overall 0.433
+        line = summary(cfg, check(cfg))
+    finally:
+        engine.server.shutdown()
+    judged = check_record(tmp_path, 2)["engine"]
+    assert judged["baseline_mix"] == {"code": 6} and judged["verdict"] != DRIFT
+    assert judged["tests"]["alpha"]["baseline"] == pytest.approx(500 / 3000)
+    assert judged["tests"]["at_least_1"]["baseline"] == pytest.approx(0.233)
+    assert "the engine's α 0.167 (baseline 0.167 over the logged requests' domains (code 6)) over 2000 drafts" in line
+    # against the overall baseline the same counters drift: what the check said before
+    overall = Baseline.from_report(report, "report.json")
+    assert overall.alpha == pytest.approx(2600 / 6000)
+    assert verdict_of(engine_tests(judged, overall, cfg.monitor)) == DRIFT
 
 
 def test_a_rejected_retraining_s_line_says_the_gate_s_tau(tmp_path):
