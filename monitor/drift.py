@@ -24,6 +24,7 @@ from statistics import NormalDist
 from typing import Any, Optional
 
 from draftsmith.errors import UserError
+from draftsmith.monitor.state import iso_seconds
 
 log = logging.getLogger("draftsmith.monitor")
 
@@ -324,8 +325,11 @@ def measured_summary(record: dict[str, Any]) -> str:
     traffic = record.get("traffic")
     if traffic is not None:
         verdicts = ", ".join(f"{domain} {test['verdict']}" for domain, test in traffic.get("domains", {}).items())
+        since = traffic.get("judged_since")  # the redeploy: the requests before it are not the promoted drafter's
+        over = f"since {iso_seconds(since)} (those before, the replaced drafter's, not judged)" if since else ""
         parts.append(
-            f"{plural(traffic.get('in_window', 0), 'logged request')} in the last {settings['traffic_window_s']:g} s"
+            f"{plural(traffic.get('in_window', 0), 'logged request')} "
+            + (over or f"in the last {settings['traffic_window_s']:g} s")
             + (f" ({verdicts})" if verdicts else "")
         )
     return "; ".join(parts)

@@ -127,6 +127,8 @@ def read_requests(
                 MAX_REQUEST_BYTES >> 20,
                 too_long[0],
             )
+    if malformed and read:  # counted in the record's traffic.malformed_lines; said, as a log skipped is
+        log.warning("monitor: %d malformed line(s) of the logs skipped (the first: %s)", malformed, first_malformed)
     if malformed and not read:
         raise UserError(
             f"monitor.traffic={str(directory)!r}: none of its {malformed} logged line(s) is a request (the first: "
@@ -308,6 +310,8 @@ def sample(
     # requests.jsonl.1 after the live requests.jsonl); a stable sort keeps equal times in the logs' order
     picked = {domain: sorted(rows, key=lambda r: r["time"])[-per_domain:] for domain, rows in sorted(by_domain.items())}
     summary = {
+        # requests logged before `since` are not judged (a replaced drafter served them): the line says from when
+        **({"judged_since": since} if since > now - window_s else {}),
         "requests_read": read["requests"] - read["ahead"],  # in the logs written within the window
         "malformed_lines": malformed,
         "in_window": len(recent),

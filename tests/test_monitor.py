@@ -343,7 +343,7 @@ def test_the_decision_needs_a_significant_drop_and_enough_drafts():
     assert judge(0.10, 50, 0.40, settings).verdict == TOO_FEW  # a quiet hour decides nothing
 
 
-def test_the_traffic_reader_skips_a_line_being_written_and_counts_malformed_ones(tmp_path):
+def test_the_traffic_reader_skips_a_line_being_written_and_counts_malformed_ones(tmp_path, caplog):
     logs = tmp_path / "logs"
     logs.mkdir()
     request = {"messages": [{"role": "user", "content": "hi"}], "domain": "chat", "timestamp": "2026-11-23T10:00:00Z"}
@@ -351,7 +351,9 @@ def test_the_traffic_reader_skips_a_line_being_written_and_counts_malformed_ones
         json.dumps(request) + "\nnot json\n" + json.dumps({"messages": []}) + "\n" + json.dumps(request)[:20]
     )
     (logs / "b.jsonl.gz").write_bytes(gzip.compress((json.dumps({**request, "domain": None}) + "\n").encode()))
-    requests, malformed = read_requests(logs)
+    with caplog.at_level("WARNING"):  # counted in the record alone, they were not said
+        requests, malformed = read_requests(logs)
+    assert "2 malformed line(s) of the logs skipped (the first: " in caplog.text
     assert [r["domain"] for r in requests] == ["chat", "default"] and malformed == 2
     assert requests[0]["time"] == pytest.approx(1795428000.0)
 
@@ -879,6 +881,9 @@ def test_after_a_promotion_nothing_is_judged_until_the_engine_serves_the_promote
         record = json.loads(Path(State.load(directory).last_check["record"]).read_text())
         assert record["engine"]["note"].startswith("redeployed with the promoted drafter")
         assert record["traffic"]["in_window"] == 0 and record["traffic"]["requests_read"] == 50
+        # its line said "0 logged requests in the last 86400 s" of logs holding 50 in them: it says from when
+        assert "0 logged requests since " in summary(cfg, Outcome.HEALTHY)
+        assert "(those before, the replaced drafter's, not judged)" in summary(cfg, Outcome.HEALTHY)
         engine.serve(1000, DROPPED)
         assert check(cfg) == Outcome.DRIFT  # judged again, against revision 1's baseline
         # the gate's report written over since the promotion: refused, and monitor.baseline takes it as it is now
