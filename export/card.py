@@ -92,6 +92,7 @@ def write_card(
         "",
         *([f"Engine releases: {info['vllm_releases']}.", ""] if info.get("vllm_releases") else []),
         *([f"Engine builds: {info['vllm_builds']}.", ""] if info.get("vllm_builds") else []),
+        *([MONITOR_FLAG, ""] if engine == "vllm" else []),
         *gamma_note(engine, gamma, info.get("recommended_num_speculative_tokens")),
         *acceptance_section(report),
         *engine_section(info.get("verified")),
@@ -106,6 +107,15 @@ def write_card(
         "",
     ]
     ModelCard("\n".join(lines)).save(folder / "README.md")
+
+
+# what `draftsmith monitor` reads per request (docs/monitor.md): a newcomer serving the card's line had every domain
+# replayed, minutes of eval each check, for want of the flag
+MONITOR_FLAG = (
+    "Watched by `draftsmith monitor`: add `--per-request-spec-decode-metrics summary` to the serving command (vLLM "
+    "0.32 and later) and log each response's `metrics` with its request, and each domain's acceptance is read from "
+    "the engine's own counts instead of replaying the requests (docs/monitor.md)."
+)
 
 
 def cpu_build_serving(command: str, verified: Optional[dict[str, Any]]) -> list[str]:

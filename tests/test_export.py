@@ -69,6 +69,8 @@ def test_every_kind_exports_a_complete_folder_per_engine(kind, engines, target, 
         assert card.startswith("---\n") and "base_model" not in front_matter and f"- {kind}\n" in front_matter
         assert "library_name: " + engine in front_matter
         assert ("vllm serve" if engine == "vllm" else "python -m sglang.launch_server") in card
+        # how the monitor reads each request's acceptance from vLLM (serving the card's line, every domain replayed)
+        assert ("--per-request-spec-decode-metrics summary" in card) == (engine == "vllm")
         weights_dir = folder / ("medusa" if kind == "medusa2" else "")
         config = json.loads((weights_dir / "config.json").read_text())
         assert not list(folder.parent.glob("*.tmp")) and load_file(str(weights_dir / "model.safetensors"))
