@@ -151,8 +151,8 @@ class Baseline:
 
 def counts_per_prompt(chain: dict[str, Any]) -> Optional[dict[str, Any]]:
     """A chain row's drafted and accepted tokens, verify steps and acceptances at each draft position, per prompt."""
-    prompts, counts = chain.get("prompts") or 0, chain["per_position_counts"]
-    if not prompts or not chain.get("drafted") or not counts["reached"]:
+    prompts, counts = chain.get("prompts") or 0, chain.get("per_position_counts") or {}
+    if not prompts or not chain.get("drafted") or not counts.get("reached"):  # a report of an earlier draftsmith
         return None
     share = {"drafted": chain["drafted"], "accepted": chain["accepted"], "cycles": counts["reached"][0]}
     return {key: value / prompts for key, value in share.items()} | {
