@@ -109,9 +109,9 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
             # a dtype the build cannot serve the target in, before the report's dtype is compared (a float16 export was
             # told to evaluate the drafter in float16, then refused so once the target had loaded); other limits are
             # said once it is loaded, the drafter's first
-            named, config = None if cfg.target.dtype == "auto" else cfg.target.dtype, load_config(cfg.target).to_dict()
+            dtype, config = None if cfg.target.dtype == "auto" else cfg.target.dtype, load_config(cfg.target).to_dict()
             if cpu_build_limit(config) is None:
-                require_build_serves(config, cfg.export.vllm_python, dtype=named)
+                require_build_serves(config, cfg.export.vllm_python, dtype=dtype)
         source_digest = checkpoint_digest(checkpoint)  # its config.json as well as its weights
         serving = served_values(saved_drafter(checkpoint)[1], served)  # what the sweep and report must have served
         schedule = batch_schedule_of(cfg, source_digest, serving)  # before the target loads: a bad sweep stops here
