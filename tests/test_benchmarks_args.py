@@ -226,6 +226,7 @@ def test_the_export_checks_loop_counts_a_requests_last_step_as_vllm_does():
     assert ended["tau"] == 4.0 and ended["at_least"] == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_the_sampled_acceptance_benchmarks_loop_at_temperature_0_counts_as_the_export_check(monkeypatch):
     """benchmarks/vllm_sampled_acceptance.py's side in draftsmith's loop (the first token from the prefill, then the
     chains), greedy, is the export check's: the same τ and per-position rates on the same prompts."""
@@ -383,6 +384,7 @@ def test_mamba2_scan_compares_the_loop_before_and_now_on_the_same_outputs():
     assert rows["fed again"]["chain_tok_s"] > rows["before"]["chain_tok_s"]
 
 
+@pytest.mark.slow
 def test_packing_trains_a_step_each_way_on_the_same_micro_batch():
     """docs/data.md's packing table: the script crashed since the trainer's micro_batches gives its collator the
     run's draw seed (dataclasses.replace on the script's lambda)."""

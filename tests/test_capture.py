@@ -198,6 +198,7 @@ def shard_stats(directory: Path) -> dict[str, tuple[int, int]]:
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in directory.glob("shard_*.safetensors")}
 
 
+@pytest.mark.slow
 def test_killed_capture_resumes_without_redoing_finished_shards(tmp_path, conversations, monkeypatch):
     settings = ("data.capture.shard_tokens=150",)
     uninterrupted = run_capture(tmp_path / "straight", conversations, *settings)

@@ -338,6 +338,7 @@ def test_deepspeeds_line_that_it_found_no_gpu_is_not_said_and_its_other_records_
     assert [record.getMessage() for record in caplog.records] == ["DeepSpeed info: version=0.18.0"]
 
 
+@pytest.mark.slow
 def test_a_folders_files_not_read_are_said_once_a_run(tmp_path, small_data, token_cache, capsys):
     """A run reads data.train for several purposes (its rows, the eval prompts' overlap): the warning naming a
     folder's files not read was said five times in one run."""

@@ -192,6 +192,7 @@ def test_the_runs_second_count_of_unchanged_data_goes_through_no_conversation_ag
     assert kept == ["__builtins__"]  # no module-level state: a long `monitor watch` retrains in one process
 
 
+@pytest.mark.slow
 def test_the_eval_split_counts_against_what_the_run_trained_on_not_its_held_out_conversations(
     tmp_path, token_cache, capsys
 ):

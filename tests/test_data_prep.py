@@ -163,6 +163,7 @@ def lengths_encoded(monkeypatch) -> list[int]:
     return lengths
 
 
+@pytest.mark.slow
 def test_an_answer_of_megabytes_is_encoded_only_as_far_as_the_row_keeps(reference_tokenizer, monkeypatch):
     """One answer of tens of megabytes was encoded whole before data.max_length cut its row (20 MB: 45 s and 4 GB;
     88 MB aborted the process in the tokenizer's allocator). A row cut to k tokens is read from a prefix of the text
@@ -207,6 +208,7 @@ def sentencepiece_style(chat_template: str):
     return tokenizer
 
 
+@pytest.mark.slow
 def test_a_prompt_of_megabytes_is_encoded_only_as_far_as_the_eval_keeps(reference_tokenizer, monkeypatch):
     """The eval keeps a long prompt's last tokens, and a regeneration answers no prompt of data.max_length tokens or
     more: both were read from the whole prompt encoded (an 88 MB prompt aborts the process in the tokenizer). Read from

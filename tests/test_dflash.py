@@ -313,6 +313,7 @@ def test_context_cache_rollback_matches_a_drafter_rebuilt_from_scratch(model, dr
     assert len(lengths) >= 2  # accepted paths of different lengths were rolled back
 
 
+@pytest.mark.slow
 def test_a_mask_token_is_the_targets_embedding_row_and_adds_no_tensor(model, prompts):
     """drafter.mask_token_id: the mask queries read the target's (frozen) embedding of that token, as
     vLLM feeds them; nothing of the mask is saved. qk_norm gives a Llama layer Qwen3's q/k norms."""

@@ -148,6 +148,7 @@ def test_chunked_distillation_equals_the_loss_on_every_position_at_once(chunk_ro
 
 
 # -- LoRA through the real trainer ----------------------------------------------------------------
+@pytest.mark.slow
 def test_lora_training_moves_only_adapters_and_the_merged_model_matches(tmp_path, small_data, token_cache):
     from peft import PeftModel
 
@@ -344,6 +345,7 @@ class CountingTarget:
         return self.model.generate(**kwargs)
 
 
+@pytest.mark.slow
 def test_regeneration_resumes_without_redoing_finished_conversations(tmp_path, small_data):
     from draftsmith.data_prep.conversations import load_conversations
     from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
@@ -503,6 +505,7 @@ def exchange(*texts):
     return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(texts)]
 
 
+@pytest.mark.slow
 def test_later_turns_reuse_the_first_answers_resume_and_keep_held_out_prompts_out(tmp_path):
     """min_turns=2 with reuse: a first-turn regeneration's answers stand for the first turns, so the engine is
     asked only the second ones, each with the target's own first answer before it; the held-out conversation
@@ -598,6 +601,7 @@ def test_sampled_answers_are_seeded_draws_that_resume_into_the_same_bytes(tmp_pa
         recipe("greedy", "data.regenerate.temperature=0")
 
 
+@pytest.mark.slow
 def test_an_answer_cut_at_max_new_tokens_is_marked_and_its_end_of_turn_is_not_trained_on(tmp_path, capsys):
     """The target's answer to one prompt ends within max_new_tokens, to the other it is cut there (given more
     tokens it goes on): the cut one is written marked `"cut": true` and counted, the finished one as before;

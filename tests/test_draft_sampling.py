@@ -94,6 +94,7 @@ def test_at_temperature_above_zero_sglang_does_not_serve_a_draft_model():
     assert served(target, "eagle3", 0.8)["not_served_by"] == CPU
 
 
+@pytest.mark.slow
 def test_the_report_at_temperature_above_zero_names_vllm_alone_for_a_draft_model(target, small_data, tmp_path):
     checkpoint = save_drafter("draft_model", target, tmp_path / "final")
     one_prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 1)  # the rows' labels are read, not τ

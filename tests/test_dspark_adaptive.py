@@ -76,6 +76,7 @@ def test_the_budget_is_vllms_argmax_of_expected_tokens_per_cost():
     assert draft_budget(torch.full((4,), 0.01), 4, StepCosts(1.0, (1.0,) * 5)) == 4
 
 
+@pytest.mark.slow
 def test_the_verified_length_follows_the_previous_cycles_confidence(model, drafter, prompts):
     """A new sequence verifies all γ (its stale confidences are 1.0), then each cycle the k its previous drafts'
     confidences buy; the chain kept is the first k of the chain drafted; a new sequence starts afresh."""

@@ -753,6 +753,7 @@ def test_an_eval_of_another_checkpoint_moves_the_earlier_report_aside(eval_setup
     assert f"export.report={again / 'report.json'}" in said
 
 
+@pytest.mark.slow
 def test_an_export_reads_the_report_of_its_weights_wherever_the_run_moved(eval_setup, tmp_path):
     """The export matches the eval report to the checkpoint by its sha256, not its path: a run copied elsewhere
     exports with its report (it was refused, export.report included); a report of other weights is refused; and
@@ -812,6 +813,7 @@ def test_eval_enabled_false_on_the_eval_commands_line_is_said_unread(eval_setup,
     assert "not read" not in run_entry_in_process([*args, "eval.enabled=true"], capsys).stderr
 
 
+@pytest.mark.slow
 def test_a_failed_lossless_check_writes_the_report_and_exits_3(eval_setup, tmp_path, monkeypatch, capsys):
     """A verifier that accepts every drafted token (a broken rule) makes the untrained Medusa's output
     differ from plain greedy decoding: the eval writes its report with the rows marked, then exits 3

@@ -1004,6 +1004,7 @@ def test_a_target_run_with_its_own_code_is_served_with_it(target, tmp_path):
     assert "--trust-remote-code" not in (plain / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_published_files_have_the_umasks_mode(small_data, token_cache, target, tmp_path, capsys):
     """safetensors writes through a private temporary file (mode 0600): a checkpoint's, final/'s and an
     export's files get the umask's mode when published (0644 under umask 022), so that a job or an engine
@@ -1408,6 +1409,7 @@ def folder_files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_push_to_a_branch_serves_it_and_the_branch_holds_exactly_the_new_export(target, hub, tmp_path):
     """The pushed cards named the repo without the branch (engines load main, which holds no drafter); a push kept
     the files of an earlier export the new one does not have (a draft model's tokenizer beside EAGLE-3's); and a

@@ -641,6 +641,7 @@ def test_a_family_splitting_its_rotary_frequencies_by_section_is_written_to_run_
     assert load_target(str(folder))(ids).logits.shape == (1, 4, 4096)
 
 
+@pytest.mark.slow
 def test_a_wrapper_without_a_causal_lm_class_is_written_loaded_and_sharded_as_its_language_model(tmp_path, capsys):
     """GLM-5-Next (`glm5_next`) is a vision-language wrapper that transformers 5.24 has no causal LM class for, nor
     for its language model (`glm5_next_text`, whose sparse layers attend without positions: the tiny config keeps the

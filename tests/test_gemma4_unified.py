@@ -77,6 +77,7 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return [1, *torch.randint(3, 4000, (length - 1,), generator=torch.Generator().manual_seed(seed)).tolist()]
 
 
+@pytest.mark.slow
 def test_a_release_folder_loads_as_the_wrapper_with_its_logits_taps_and_greedy_tokens(target):
     """transformers loads the wrapper itself as a causal LM: the target is it (its config naming its architecture,
     what vLLM 0.32 registers), its shape the language model's; taps are transformers' hidden states, the loop's
@@ -173,6 +174,7 @@ def test_the_unified_assistant_computes_what_gemma4s_computes_with_the_same_weig
     assert ours.logits.std() > 0.1  # decisive logits, not a degenerate output
 
 
+@pytest.mark.slow
 def test_one_step_trains_it_and_it_decodes_losslessly_alone_and_in_a_batch(target):
     model, _ = target
     drafter = sharpened(target).train()

@@ -58,6 +58,7 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.slow
 def test_plain_decoding_is_transformers_and_chains_put_the_mamba2_states_back(model):
     """Plain decoding equals transformers' greedy generate; chains whose drafts are accepted and rejected at random
     depths decode the same tokens (a state left holding a rejected token would part them), and a batch decodes its

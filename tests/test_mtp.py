@@ -248,6 +248,7 @@ def train_and_export(folder: Path, tmp_path: Path, small_data, token_cache, caps
     assert run_entry_in_process(export, capsys).returncode == 0
 
 
+@pytest.mark.slow
 def test_a_runs_own_export_warm_starts_it_and_a_null_depth_count_is_the_count_it_stands_for(
     tmp_path, small_data, token_cache, capsys
 ):
@@ -279,6 +280,7 @@ def test_a_runs_own_export_warm_starts_it_and_a_null_depth_count_is_the_count_it
     assert "drafter.mtp_depths=2" in assert_one_line_error(other, 2)  # the release ships one: refused at its check
 
 
+@pytest.mark.slow
 def test_a_qwen3_next_release_without_a_count_in_its_config_trains_its_shipped_layer_and_exports_its_config(
     tmp_path, small_data, token_cache, capsys
 ):

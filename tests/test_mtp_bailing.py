@@ -213,6 +213,7 @@ def test_one_draft_step_computes_vllms_formula_from_the_checkpoint(released):
     assert drafter.top_tokens(fed[-1], 1)[1].item() == model.lm_head(expected)[-1].argmax().item()
 
 
+@pytest.mark.slow
 def test_the_layer_trains_several_steps_ahead_and_decodes_losslessly(released):
     folder, model, _ = released
     trains_ahead_and_decodes_losslessly(folder, model, rounds=6, prompt_length=20)

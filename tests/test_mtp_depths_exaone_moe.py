@@ -97,6 +97,7 @@ def test_training_step_i_runs_depth_i_mod_2_as_vllms_speculator_past_the_window(
     assert not torch.equal(tensors["mtp.layers.0.mlp.up_proj.weight"], tensors["mtp.layers.1.mlp.up_proj.weight"])
 
 
+@pytest.mark.slow
 def test_a_chain_is_vllms_and_each_steps_cache_rolls_back_past_a_rejected_draft(releases):
     """A proposal of two tokens after 56 committed is vLLM's chain (step i's last position, block i % 2, over the
     whole query, past the window); after its first draft was rejected, then the next proposal's second, the target's

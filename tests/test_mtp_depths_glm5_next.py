@@ -40,6 +40,7 @@ def release(tmp_path_factory):
     return folder, model, MTP.from_target(MTP.Config(mtp_depths=2), model, str(folder)).eval()
 
 
+@pytest.mark.slow
 def test_training_step_i_runs_depth_i_mod_2_over_the_whole_sequence_as_vllm_0_34_runs_it(release, monkeypatch):
     """ttt_steps=3 are vLLM 0.34's draft steps 0, 1, 2 at every position t: layer N + i % 2's wrapper, read by its
     release names under the wrapper's language model, around that depth's block, on step i-1's normed output at t
@@ -57,6 +58,7 @@ def test_training_step_i_runs_depth_i_mod_2_over_the_whole_sequence_as_vllm_0_34
             assert torch.allclose(outputs[step][0, :width], logits_input, atol=1e-4), step
 
 
+@pytest.mark.slow
 def test_both_depths_train_decode_losslessly_and_export_for_vllm_0_34_under_the_wrappers_names(release, tmp_path):
     """One training step moves depth 1 too; greedy decoding with chains of 2 past the selection is the target's own;
     the folder holds layers N and N + 1 under the wrapper's names with the count 2 in its text_config, read back alike,

@@ -328,6 +328,7 @@ def test_a_served_chain_longer_than_the_depths_is_one_line_before_anything_is_wr
     assert MTP.max_chain(MTP.Config(decoder=inkling)) == 3 == MTP.max_chain(MTP.Config(mtp_depths=3))
 
 
+@pytest.mark.slow
 def test_an_export_says_which_vllm_releases_compute_its_draft_steps_as_trained(releases, tmp_path, capsys):
     """vLLM 0.34.0 changed two of these models (their layouts' `feedback_changed_in`, `step_depths_from`): GLM-4.5's
     feeds its later draft steps the MTP layer's output after the final norm, where 0.32 and 0.33 feed it before the

@@ -174,6 +174,7 @@ def test_training_step_i_runs_depth_i_mod_2_as_vllms_speculator_past_the_selecti
 
 
 @pytest.mark.parametrize("family", fast_tier(list(FAMILIES), lambda family: family == "deepseek_v4"))
+@pytest.mark.slow
 def test_a_chain_is_vllms_and_each_steps_cache_rolls_back_past_a_rejected_draft(family, releases):
     """A proposal of two tokens after 56 committed is vLLM's chain (step i's last position, depth i % 2, over the
     whole query); after its first draft was rejected (step 1's entry at the last position read it), then the next

@@ -387,6 +387,7 @@ def test_the_demo_targets_layer_trains_for_sglang_and_its_folder_evaluates_like_
     assert rows["sglang"] == rows["checkpoint"] and all(row[3] for row in rows["sglang"])
 
 
+@pytest.mark.slow
 def test_a_layer_no_engine_would_serve_is_said_as_training_starts(small_data, token_cache, tmp_path, capsys):
     """Trained for SGLang (position 0 read) on a DeepSeek target whose hidden size SGLang's kernel refuses, a layer
     neither export takes trained to its end in silence, each export then naming the other engine: the start says so,
@@ -404,6 +405,7 @@ def test_a_layer_no_engine_would_serve_is_said_as_training_starts(small_data, to
     assert "SGLang: SGLang's DeepseekV3ForCausalLMNextN norms its inputs with a CUDA kernel" in said[0], said
 
 
+@pytest.mark.slow
 def test_a_glm_4_7_flash_layer_trains_as_sglang_computes_it_and_decodes_losslessly(targets):
     """GLM-4.7-Flash (glm4_moe_lite), whose layer no vLLM release serves as shipped: its MLA block with experts, read
     from layer N, trains several steps ahead as SGLang's Glm4MoeLiteForCausalLMNextN computes it and decodes
@@ -470,6 +472,7 @@ def exported_for_sglang_in_bfloat16(folder, tmp_path) -> tuple[Source, EngineRep
     return source, repo
 
 
+@pytest.mark.slow
 def test_a_qwen4_exp_releases_layer_exports_for_sglang_in_its_wrappers_config_each_step_selecting(tmp_path):
     """SGLang rewrites only the wrapper (Qwen4ExpForConditionalGeneration) to its Qwen4ExpForCausalLMMTP, which
     computes vLLM's function (the target's streams, then the layer's own, unmixed; position 0 read): the folder holds
@@ -540,6 +543,7 @@ def test_a_qwen4_exp_releases_layer_trains_in_bfloat16_exports_for_both_engines_
     assert_exported_layer_decodes_losslessly(folder, export / "sglang", tmp_path, small_data, 0, args[-1])
 
 
+@pytest.mark.slow
 def test_a_dots3_note_releases_layer_trained_for_sglang_exports_its_flat_config_at_the_one_chain_it_verifies(tmp_path):
     """SGLang's Dots3NoteForCausalLMNextN reads the release's flat config.json (SGLang's own Dots3Config: its pinned
     transformers knows no Dots3) and computes the layer with position 0 read, the normed output fed back, its block a

@@ -109,6 +109,7 @@ def widths_of_forwards(model) -> tuple[list[int], list[int], object]:
     return widths, chunks, hooks
 
 
+@pytest.mark.slow
 def test_drafts_rejected_again_and_again_feed_no_accepted_token_again(model):
     """transformers keeps each Mamba-2 layer's states at every position of a verify forward (proven on the model), so
     after a rejected draft the loop keeps those of the accepted positions, as an engine does: a drafter that is never

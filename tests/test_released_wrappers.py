@@ -59,6 +59,7 @@ def write_release(model_type: str, directory: Path, std: float = 0.2, **shape) -
     "model_type, causal_lm",
     [("minimax_m3_vl", "MiniMaxM3VLForCausalLM"), ("inkling_mm_model", "InklingForCausalLM")],
 )
+@pytest.mark.slow
 def test_a_release_loads_as_its_language_models_causal_lm_with_the_wrappers_logits_and_taps(
     model_type, causal_lm, tmp_path
 ):

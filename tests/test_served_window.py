@@ -153,6 +153,7 @@ def test_only_a_draft_model_with_sliding_layers_vllm_widens_is_served_with_the_h
     assert widened_window_arguments({"model_type": "gemma3_text", **sliding}) == {}
 
 
+@pytest.mark.slow
 def test_medusa2s_merged_cohere2_target_states_the_releases_window(tmp_path, capsys):
     """Medusa-2's folder ships the target with its adapters merged, saved from the loaded target, which attends one key
     more than the release's window: its config.json states the release's window, which vLLM widens itself."""

@@ -41,6 +41,7 @@ def written(tmp_path_factory, token_cache):
         os.umask(umask)
 
 
+@pytest.mark.slow
 def test_states_follow_vllm_layer_ids(written):
     output, info = written
     assert info["draftsmith_layer_ids"] == [0, 1, 2] and info["speculators_layer_ids"] == [1, 2, 3]
@@ -112,6 +113,7 @@ def write_features(output, capsys, token_cache, *settings):
     return run_entry_in_process(["-m", "data_prep.speculators_features", str(output), *tiny, *settings], capsys)
 
 
+@pytest.mark.slow
 def test_a_folder_made_with_other_settings_is_refused_and_the_same_settings_resume(tmp_path, capsys, token_cache):
     """Resuming skips the finished rows' files: with other rows or layers they would hold the old states."""
     output = tmp_path / "features"

@@ -236,6 +236,7 @@ def test_a_target_vllms_transformers_backend_builds_is_told_what_the_backend_rea
     assert (f"--hf-overrides '{json.dumps(told)}'" in (served / "README.md").read_text()) is bool(told)
 
 
+@pytest.mark.slow
 def test_the_backend_architectures_handing_their_attention_repeated_key_value_heads_are_vllm_backend_repeated_kv():
     """formats/vllm_backend.py's VLLM_BACKEND_REPEATED_KV is every architecture vLLM builds with its Transformers
     backend (VLLM_TRANSFORMERS_BACKEND, and the table's own, which vLLM registers no class for) whose transformers
