@@ -48,7 +48,7 @@ from draftsmith.formats.versions import (
     require_engine_imports,
     routing_bias_limit,
 )
-from draftsmith.model_files import checkpoint_folder, stored_name, tensor_names
+from draftsmith.model_files import checkpoint_folder, hub_revision, stored_name, tensor_names
 from draftsmith.streams import stream_collapse
 from draftsmith.target import (
     TargetShape,
@@ -140,7 +140,9 @@ class VllmCapture:
         v = cfg.data.capture.vllm
         arguments, env = engine_arguments(cfg.target, v, cfg.data.max_length + 1, 0, state)
         scratch = directory / f"engine-{state.process_index}.tmp"
-        norm = FinalNorm(target, cfg.target.name_or_path) if normed(selection, num_layers(target)) else None
+        norm = None
+        if normed(selection, num_layers(target)):  # read from the release's files at the commit the target loaded from
+            norm = FinalNorm(target, str(checkpoint_folder(cfg.target.name_or_path, READER, hub_revision(target))))
         arguments |= {
             # prompt log-probabilities of a prefix found cached would not be computed again
             "enable_prefix_caching": False,
@@ -305,9 +307,10 @@ def checkpoint_biases(section) -> Iterator[tuple[str, torch.Tensor]]:
     """The target's expert-score correction biases (routing_bias_limit's) as its checkpoint stores them, each read
     when asked: a router routing_bias_limit does not check by them reads none, and a Hub target's files are not
     fetched for it."""
-    for name in tensor_names(checkpoint_folder(section.name_or_path, READER)):
+    files = str(checkpoint_folder(section.name_or_path, READER, section.revision))
+    for name in tensor_names(checkpoint_folder(files, READER)):
         if name.endswith(CORRECTION_BIAS):
-            yield name, read_tensor(section.name_or_path, name)
+            yield name, read_tensor(files, name)
 
 
 def read_tensor(name_or_path: str, name: str) -> torch.Tensor:

@@ -7,6 +7,7 @@ refused, as a missing file named directly is."""
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 from pathlib import Path
@@ -82,7 +83,25 @@ def files_under(local: str, source: str) -> list[str]:
     _warn_not_read(f"data directory {source!r}", others, local)
     if not files:
         raise UserError(f"data directory {source!r} holds no {suffixes()} file")
+    _require_finished_regeneration(local, source)
     return sorted(files)
+
+
+def _require_finished_regeneration(local: str, source: str) -> None:
+    """A regeneration's folder (data_prep/regenerate.py) is read once all its parts are written: one still being
+    written, or left by a stopped run, holds some of its conversations, and training on them said nothing of the rest
+    (a capture's is refused alike until its manifest.json). A record of an earlier draftsmith counts no parts."""
+    try:
+        parts = json.loads(Path(local, REGENERATE_SETTINGS).read_text()).get("parts")
+    except (OSError, ValueError, AttributeError):  # no record (another folder), or one its regeneration refuses
+        return
+    written = len(glob.glob(os.path.join(glob.escape(local), "part-*.jsonl.gz")))
+    if isinstance(parts, int) and written < parts:
+        raise UserError(
+            f"data directory {source!r} is a regeneration that has not finished ({written} of its {parts} parts "
+            f"written): run its regenerate command again to finish it, or give data.train=[{source}/part-*.jsonl.gz] "
+            "to train on the parts written"
+        )
 
 
 def _refuse_broken_links(what: str, paths: list[str]) -> None:

@@ -178,6 +178,8 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
         settings.pop(key)
     settings |= ANSWER_ENGINES[section.engine].recorded(cfg)
     settings["marks"] = MARKS
+    # the part files a finished run holds (regenerate_into's chunks): a folder source reads none before it has all
+    settings["parts"] = -(-len(conversations) * section.samples // section.batch_size)
     check_reusable(section.reuse, settings)
     reused = load_conversations(list(section.reuse)) if section.reuse else None
     settings["reuse"] = None if reused is None else content_digest(reused)  # the answers by their content
@@ -375,7 +377,9 @@ def claim_directory(directory: Path, settings: dict[str, Any]) -> None:
             )
         if saved.get("temperature") == settings["temperature"] == 0:  # greedy answers read no seed (one was recorded)
             saved = {**saved, "seed": settings["seed"]}
-        require_same_settings(saved, settings, f"{directory} holds a regeneration", advice)
+        # the part count follows from the data and batch_size (and was not recorded before): not compared
+        saved, compared = ({key: value for key, value in kept.items() if key != "parts"} for kept in (saved, settings))
+        require_same_settings(saved, compared, f"{directory} holds a regeneration", advice)
     elif any(directory.glob("part-*")):
         raise UserError(f"{directory} holds part files but no {REGENERATE_SETTINGS}; {advice}")
     elif foreign := sorted(entry.name for entry in directory.iterdir() if not entry.name.startswith(".")):

@@ -365,16 +365,43 @@ def names_in(stamped: tuple[tuple[Path, int, int], ...]) -> Mapping[str, Path]:
     return MappingProxyType(names)
 
 
-def checkpoint_folder(name_or_path: str, reader: str) -> Path:
-    """The target's checkpoint folder: a local one, or a Hub id's snapshot in the cache (its weights fetched when the
-    target loaded, or by the engine that runs it). `reader` names what reads it, for the line when it cannot."""
+# The attribute of a loaded target holding the Hub commit its files were read from (None: a local folder): what its
+# TargetShape records (a run resumed, a drafter served, on the commit it trained on) and where its own files are read
+# again (`checkpoint_folder`), whatever the repository's main has become since.
+HUB_COMMIT = "draftsmith_hub_commit"
+
+
+def hub_revision(model) -> Optional[str]:
+    """The Hub commit a target draftsmith loaded was read from (draftsmith.target.with_hub_commit); None for a local
+    folder's."""
+    return getattr(model, HUB_COMMIT, None)
+
+
+def hub_commit(name_or_path: str, revision: Optional[str]) -> Optional[str]:
+    """The commit of Hub repository `name_or_path` that `revision` (a branch, tag or commit; None: main) names in the
+    Hub cache, which a load has just read: the name of the snapshot folder its config.json is in. None for a local
+    folder, and where the cache holds no config.json of that revision."""
+    if Path(name_or_path).expanduser().is_dir():
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(name_or_path, "config.json", revision=revision)
+    if not isinstance(found, str) or Path(found).parent.parent.name != "snapshots":
+        return None
+    return Path(found).parent.name
+
+
+def checkpoint_folder(name_or_path: str, reader: str, revision: Optional[str] = None) -> Path:
+    """The target's checkpoint folder: a local one, or a Hub id's snapshot at `revision` (the commit the target was
+    loaded from: TargetShape.revision) in the cache (its weights fetched when the target loaded, or by the engine that
+    runs it). `reader` names what reads it, for the line when it cannot."""
     if Path(name_or_path).is_dir():
         return Path(name_or_path)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"]))
+        return Path(snapshot_download(name_or_path, revision=revision, allow_patterns=["*.safetensors", "*.json"]))
     except (HfHubHTTPError, LocalEntryNotFoundError, ValueError, OSError) as err:
         raise UserError(f"{reader}: cannot read target {name_or_path!r}'s checkpoint ({one_line(err)})") from None
 

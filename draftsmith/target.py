@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.model_files import read_pretrained, read_tokenizer
+from draftsmith.model_files import HUB_COMMIT, hub_commit, hub_revision, read_pretrained, read_tokenizer
 from draftsmith.streams import last_layer_streams
 from draftsmith.target_loading import load_config, read_model
 from draftsmith.target_weights import loaded_records, same_embedding_norms, same_layer_values
@@ -90,7 +90,7 @@ def load_target(section, device: torch.device | str = "cpu", shard: str = "none"
     dtype = resolve_dtype(section.dtype, device)
     with built_whole():  # never partitioned by a ZeRO-3 launch: the frozen target is not DeepSpeed's
         if shard == "none":
-            return freeze(read_model(section, dtype, device))
+            return with_hub_commit(freeze(read_model(section, dtype, device)), section)
         model = load_sharded(
             load_config(section),
             dtype,
@@ -98,7 +98,7 @@ def load_target(section, device: torch.device | str = "cpu", shard: str = "none"
             read_weights=lambda: read_model(section, dtype, "cpu").state_dict(),  # rank 0's, in host memory
             trust_remote_code=section.trust_remote_code,
         )
-    return freeze(model)
+    return with_hub_commit(freeze(model), section)
 
 
 def empty_target(section, dtype: torch.dtype):
@@ -107,7 +107,13 @@ def empty_target(section, dtype: torch.dtype):
     from draftsmith.sharding import built_empty
 
     section = target_section(section)
-    return freeze(built_empty(load_config(section), dtype, section.trust_remote_code))
+    return with_hub_commit(freeze(built_empty(load_config(section), dtype, section.trust_remote_code)), section)
+
+
+def with_hub_commit(model: torch.nn.Module, section) -> torch.nn.Module:
+    """The loaded target, holding the Hub commit its files were read from (model_files.HUB_COMMIT)."""
+    setattr(model, HUB_COMMIT, hub_commit(section.name_or_path, section.revision))
+    return model
 
 
 def loaded_config(target_model) -> dict:
@@ -171,15 +177,18 @@ class TargetShape:
     # what an earlier draftsmith saved
     embedding_norms: Optional[tuple[float, ...]] = None
     layer_values: Optional[tuple[float, ...]] = None
+    # the Hub commit its files were read from (draftsmith.target.HUB_COMMIT); None for a local folder, where only a
+    # config was read, and in what an earlier draftsmith saved
+    revision: Optional[str] = None
 
     @classmethod
     def of(cls, model, name_or_path: str) -> TargetShape:
         """A loaded target's shape (the vocabulary is the lm_head's rows, which may be padded)."""
         shape = cls.from_config(model.config, name_or_path)
-        vocab = int(model.get_output_embeddings().weight.shape[0])
+        loaded = {"vocab_size": int(model.get_output_embeddings().weight.shape[0]), "revision": hub_revision(model)}
         if model.get_input_embeddings().weight.is_meta:  # a target without its weights (empty_target)
-            return cls(**{**shape.__dict__, "vocab_size": vocab})
-        return cls(**{**shape.__dict__, "vocab_size": vocab, **loaded_records(model, name_or_path)})
+            return cls(**{**shape.__dict__, **loaded})
+        return cls(**{**shape.__dict__, **loaded, **loaded_records(model, name_or_path)})
 
     def same_weights(self, other: TargetShape) -> bool:
         """Whether two shapes are of the same target's weights, as far as both know (`same_embedding_norms`,

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from draftsmith.errors import UserError
-from draftsmith.model_files import checkpoint_folder, stored_name, tensor_names
+from draftsmith.model_files import checkpoint_folder, hub_revision, stored_name, tensor_names
 
 EMBEDDING_ROWS = 8  # TargetShape.embedding_norms: the rows read
 LAYER_VALUES = 8  # TargetShape.layer_values: the values read of each weight of the last layer
@@ -90,7 +90,7 @@ def stored_records(model, name_or_path: str, reader: str) -> dict:
     them, for the line when the checkpoint cannot be read."""
     embedding, norms = stored_weight_name(model, model.get_input_embeddings(), name_or_path, reader), None
     if embedding is not None:
-        stored = tensor_names(checkpoint_folder(name_or_path, reader))
+        stored = tensor_names(checkpoint_folder(name_or_path, reader, hub_revision(model)))
         with safe_open(str(stored[embedding]), "pt") as f:
             norms = row_norms(f.get_slice(embedding)[:EMBEDDING_ROWS])
     return {"embedding_norms": norms, "layer_values": stored_layer_values(model, name_or_path, reader)}
@@ -101,12 +101,12 @@ def stored_weight_name(model, module, name_or_path: str, reader: str) -> Optiona
     if module is None:
         return None
     prefix = next(name for name, found in model.named_modules() if found is module)
-    return stored_name(f"{prefix}.weight", tensor_names(checkpoint_folder(name_or_path, reader)))
+    return stored_name(f"{prefix}.weight", tensor_names(checkpoint_folder(name_or_path, reader, hub_revision(model))))
 
 
 def stored_layer_values(model, name_or_path: str, reader: str = "target.shard") -> Optional[tuple[float, ...]]:
     """`layer_values` of `last_layer_weights(model)` read alone from the checkpoint, each tensor's first values only."""
-    stored = tensor_names(checkpoint_folder(name_or_path, reader))
+    stored = tensor_names(checkpoint_folder(name_or_path, reader, hub_revision(model)))
     layer = [(stored_name(name, stored), weight) for name, weight in last_layer_weights(model)]
     if not layer or any(name is None for name, _ in layer):
         return None

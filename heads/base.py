@@ -432,8 +432,9 @@ def check_same_target(made_for: TargetShape, target: TargetShape, what: str) -> 
             f"target {target.name_or_path!r} is a {target.model_type} model: give the target it was trained for"
         )
     if not made_for.same_weights(target):
+        moved = made_for.revision and made_for.revision != target.revision  # the Hub commit it was made on: the fix
         raise UserError(
             f"drafter {what} was made for target {made_for.name_or_path!r}, and the target {target.name_or_path!r} "
             "has the same shape but other weights (its input embedding or last layer differs): give the target it was "
-            "trained for"
+            "trained for" + (f" (target.revision={made_for.revision}, the commit it was made on)" if moved else "")
         )

@@ -71,7 +71,7 @@ from draftsmith.heads.mtp_layouts import LAYOUTS, layout_of
 from draftsmith.heads.packing import causal_document_mask, documents, positions, shifted
 from draftsmith.heads.proposer import DraftState
 from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
-from draftsmith.model_files import checkpoint_folder, tensor_names
+from draftsmith.model_files import checkpoint_folder, hub_revision, tensor_names
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, loaded_config
 
 if TYPE_CHECKING:
@@ -250,11 +250,13 @@ class Mtp(EagleBase):
     def from_target(cls, config: MtpConfig, target_model, name_or_path: str) -> Mtp:
         values = loaded_config(target_model)
         layout = layout_of(values)
+        # the release's files at the commit the target was loaded from, whatever its Hub main holds now
+        files = str(checkpoint_folder(name_or_path, READER, hub_revision(target_model)))
         if layout.count_at_top:  # beside the wrapper's text_config, which alone configures the loaded language model
-            values |= {k: v for k, v in shipped_config(name_or_path, values).items() if k == layout.count_key}
-        check_ships_a_layer(values, layout, name_or_path)
-        later = mtp_depths.read_depths(name_or_path, values, layout, config.mtp_depths)
-        return cls.from_layer(config, target_model, name_or_path, read_layer(name_or_path, values, layout) | later)
+            values |= {k: v for k, v in shipped_config(files, values).items() if k == layout.count_key}
+        check_ships_a_layer(values, layout, files)
+        later = mtp_depths.read_depths(files, values, layout, config.mtp_depths)
+        return cls.from_layer(config, target_model, name_or_path, read_layer(files, values, layout) | later)
 
     @classmethod
     def from_layer(cls, config: MtpConfig, target_model, name_or_path: str, tensors: dict[str, torch.Tensor]) -> Mtp:

@@ -368,6 +368,11 @@ def test_regeneration_resumes_without_redoing_finished_conversations(tmp_path, s
     with pytest.raises(KeyboardInterrupt):
         regenerate(recipe(tmp_path / "resumed"), killed, tokenizer)
     assert sorted(p.name for p in (tmp_path / "resumed").glob("part-*")) == ["part-00000.jsonl.gz"]
+    # the folder is read once all its parts are written (training read the first part alone, saying nothing of the
+    # rest); its part files by a glob, as they are
+    with pytest.raises(UserError, match=r"is a regeneration that has not finished \(1 of its 3 parts written\)"):
+        load_conversations([str(tmp_path / "resumed")])
+    assert len(load_conversations([str(tmp_path / "resumed" / "part-*.jsonl.gz")])) == 2
 
     resumed = CountingTarget(model)
     result = regenerate(recipe(tmp_path / "resumed"), resumed, tokenizer)

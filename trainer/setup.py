@@ -103,6 +103,16 @@ class Trained(NamedTuple):
     prompt_count: Optional[PromptCount]  # Run.prompt_count
 
 
+def require_same_commit(begun_on: TargetShape, loaded: TargetShape, resumed_what: str) -> None:
+    """A run resumes on the Hub commit of the target it began on: another commit of the repository (its main moved
+    since) may compute otherwise with the same weights (a config value changed), which the weights' records miss."""
+    if begun_on.revision and loaded.revision and begun_on.revision != loaded.revision:
+        raise UserError(
+            f"{resumed_what} began on commit {begun_on.revision} of target {begun_on.name_or_path!r}, and the target "
+            f"now loads commit {loaded.revision}: give target.revision={begun_on.revision} to resume it as begun"
+        )
+
+
 def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     """Accelerator, data, target, drafter, optimizer, schedule and the resumed state, every input
     checked before anything is written; the loop reads them from the returned `Run`."""
@@ -143,7 +153,9 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     # step's target forward together.
     target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
     if resume_from is not None:  # the run's target: another of its shape would train on from the run's weights
-        check_same_target(saved_target, TargetShape.of(target, cfg.target.name_or_path), resumed_what)
+        loaded = TargetShape.of(target, cfg.target.name_or_path)
+        check_same_target(saved_target, loaded, resumed_what)
+        require_same_commit(saved_target, loaded, resumed_what)
     if cfg.target.shard == "none":  # a target whose own forward fails or whose logits are not finite: bad input
         check_finite_logits(target)
         if cfg.eval.enabled:  # what the eval stage's loop cannot decode, refused now
