@@ -83,7 +83,9 @@ def read_pretrained(load: Callable[..., Any], name_or_path: str, what: str, **kw
         return load(name_or_path, **kwargs)
     # StrictDataclassError: a config its class's own checks refuse (per-layer lists longer than num_hidden_layers)
     except (OSError, ValueError, SafetensorError, StrictDataclassError) as err:
-        line = not_loadable(what, err, name_or_path, out_of_reach, kwargs.get("use_safetensors", False))
+        line = not_loadable(
+            what, err, name_or_path, out_of_reach, kwargs.get("use_safetensors", False), kwargs.get("revision")
+        )
         if not mistyped_folder(name_or_path):
             raise line from err
     except RuntimeError as err:  # transformers' words for weights of other shapes than the config gives them
@@ -176,6 +178,7 @@ def not_loadable(
     name_or_path: str,
     out_of_reach: Optional[Exception] = None,
     safetensors_only: bool = False,
+    revision: Optional[str] = None,
 ) -> UserError:
     """The line for a model that did not load: transformers' reason; for a local folder it cannot read, the file
     (transformers names another cause: "No such file or directory" for unreadable weights, "Should have a
@@ -187,13 +190,20 @@ def not_loadable(
     not to set use_safetensors, which draftsmith always sets). Raised from `err`, whose chain says whether the Hub
     was out of reach instead (errors.hub_unreachable); `out_of_reach` is the failed probe's error of a load that
     read the cache alone (`hub_out_of_reach`)."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
 
     what += read_as_hub_id(name_or_path)
     miss = hub_cache_miss(err)
     if constants.HF_HUB_OFFLINE and miss is not None:  # offline, no request was made
+        cached = cached_commits(name_or_path)
+        if revision is not None and cached:  # the repository is there, that revision of it is not
+            return UserError(
+                f"{what}: revision {revision} is not in the Hub cache ({constants.HF_HUB_CACHE}), which holds "
+                f"{cached} of it, and HF_HUB_OFFLINE=1 forbids downloading it: give one of those as target.revision, "
+                "or download it once with a network"
+            )
         return UserError(
             f"{what}: not in the Hub cache ({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 forbids downloading "
             "it: download it once with a network, or give a local folder"
@@ -206,6 +216,11 @@ def not_loadable(
     local = folder.is_dir()
     if safetensors_only and not local and "use_safetensors" in str(err):
         where = " in the Hub cache" if constants.HF_HUB_OFFLINE or out_of_reach is not None else ""
+        if where and not isinstance(try_to_load_from_cache(name_or_path, "pytorch_model.bin", revision=revision), str):
+            return UserError(  # the cache holds its config and no weights at all: no pickle to speak of
+                f"{what}: the Hub cache ({constants.HF_HUB_CACHE}) holds no weights of it "
+                f"({' or '.join(SAFETENSORS_WEIGHTS)}): download them once with a network, or give a local folder"
+            )
         return UserError(
             f"{what}: its weights are not safetensors ({name_or_path} has no {' or '.join(SAFETENSORS_WEIGHTS)}"
             f"{where}): a pickle (pytorch_model.bin), {CONVERT_PICKLE}"
@@ -230,6 +245,20 @@ def not_loadable(
         if malformed is not None:
             return UserError(f"{what}: {malformed[0]} is not valid JSON ({one_line(malformed[1])})")
     return UserError(f"{what}: {one_line(err)}")
+
+
+def cached_commits(name_or_path: str) -> str:
+    """The commits of Hub repository `name_or_path` the Hub cache holds, each with the ref naming it (`main -> 1a2b`),
+    for a line; "" where the cache holds none."""
+    from huggingface_hub import constants
+
+    repo = Path(constants.HF_HUB_CACHE) / f"models--{name_or_path.replace('/', constants.REPO_ID_SEPARATOR)}"
+    try:
+        commits = sorted(path.name for path in (repo / "snapshots").iterdir())
+        refs = {path.read_text().strip(): path.name for path in (repo / "refs").glob("*") if path.is_file()}
+    except OSError:
+        return ""
+    return ", ".join(f"{refs[commit]} -> {commit}" if commit in refs else commit for commit in commits)
 
 
 def read_as_hub_id(name_or_path: str) -> str:

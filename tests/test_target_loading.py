@@ -282,3 +282,30 @@ def refused_line(load) -> str:
     with pytest.raises(UserError) as err:
         load()
     return str(err.value)
+
+
+def test_offline_a_revision_or_weights_the_cache_lacks_are_said_as_such(monkeypatch, tmp_path):
+    """Offline, a revision the cache does not hold of a cached repository said only "not in the Hub cache", as if the
+    repository were not there, and a repository cached without its weights was called a pickle (pytorch_model.bin)
+    that was not there either (a newcomer's offline journey, 2026-12-07)."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    commit = "a" * 40
+    for name, weights in (("tiny", True), ("no-weights", False)):
+        repo = tmp_path / "hub-cache" / f"models--acme--{name}"
+        tiny_llama(vocab=40).save_pretrained(repo / "snapshots" / commit)
+        for path in (repo / "snapshots" / commit).glob("*.safetensors"):
+            if not weights:
+                path.unlink()
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+    section = load_recipe(["recipe=medusa", "target.name_or_path=acme/tiny", "target.revision=v2.0"]).target
+    line = refused_line(lambda: load_target(section))
+    cache = tmp_path / "hub-cache"
+    assert f"revision v2.0 is not in the Hub cache ({cache}), which holds main -> {commit} of it" in line
+    assert line.endswith("give one of those as target.revision, or download it once with a network"), line
+    line = refused_line(lambda: load_target("acme/no-weights"))
+    assert "holds no weights of it (model.safetensors or model.safetensors.index.json): download them once" in line
+    assert "pickle" not in line
