@@ -300,7 +300,7 @@ def _diagnose_json(path: str, skip_invalid_utf8: bool = False) -> None:
             raise UserError(f"{path}: {DEEP}") from None
         except json.JSONDecodeError as err:
             if err.msg != "Extra data":  # else JSON lines whose first record is an array: read as lines below
-                raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg})") from None
+                raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg} column {err.colno})") from None
     if numbered is None:  # JSON lines; blank lines are skipped like the builder does
         numbered, record = [], 0
         for lineno, raw_line in enumerate(raw.split(b"\n"), 1):
@@ -318,7 +318,8 @@ def _diagnose_json(path: str, skip_invalid_utf8: bool = False) -> None:
             except RecursionError:
                 raise UserError(f"{path}:{lineno}: {DEEP}") from None
             except json.JSONDecodeError as err:
-                raise UserError(f"{path}:{lineno}: malformed JSON ({err.msg})") from None
+                # the parser's message ends "starting at", "expecting ..." before its position: the column said
+                raise UserError(f"{path}:{lineno}: malformed JSON ({err.msg} column {err.colno})") from None
     if not numbered:
         raise UserError(f"{path} has no records")
     for number, record in numbered:

@@ -733,7 +733,7 @@ GOOD = {"messages": [USER, ASSISTANT]}
 @pytest.mark.parametrize(
     ("lines", "message"),
     [
-        ([GOOD, GOOD, '{"messages": [oops'], r"bad\.jsonl:3: malformed JSON"),
+        ([GOOD, GOOD, '{"messages": [oops'], r"bad\.jsonl:3: malformed JSON \(Expecting value column 15\)"),
         ([GOOD, {"messages": [USER, {"content": "Hello!"}]}], r"bad\.jsonl record 2: turn 2 has no role"),
         (
             [GOOD, {"messages": [USER, {"role": "assistant", "content": "  \n"}]}],
