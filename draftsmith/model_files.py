@@ -406,10 +406,10 @@ def hub_revision(model) -> Optional[str]:
     return getattr(model, HUB_COMMIT, None)
 
 
-def hub_commit(name_or_path: str, revision: Optional[str]) -> Optional[str]:
-    """The commit of Hub repository `name_or_path` that `revision` (a branch, tag or commit; None: main) names in the
-    Hub cache, which a load has just read: the name of the snapshot folder its config.json is in. None for a local
-    folder, and where the cache holds no config.json of that revision."""
+def hub_snapshot(name_or_path: str, revision: Optional[str]) -> Optional[Path]:
+    """The snapshot folder in the Hub cache of Hub repository `name_or_path` at `revision` (a branch, tag or commit;
+    None: main), which a load has just read: the folder its config.json is in, named by its commit, holding the files
+    the load fetched. None for a local folder, and where the cache holds no config.json of that revision."""
     if Path(name_or_path).expanduser().is_dir():
         return None
     from huggingface_hub import try_to_load_from_cache
@@ -417,7 +417,13 @@ def hub_commit(name_or_path: str, revision: Optional[str]) -> Optional[str]:
     found = try_to_load_from_cache(name_or_path, "config.json", revision=revision)
     if not isinstance(found, str) or Path(found).parent.parent.name != "snapshots":
         return None
-    return Path(found).parent.name
+    return Path(found).parent
+
+
+def hub_commit(name_or_path: str, revision: Optional[str]) -> Optional[str]:
+    """The commit `hub_snapshot` finds `revision` at; None where it finds none."""
+    folder = hub_snapshot(name_or_path, revision)
+    return None if folder is None else folder.name
 
 
 def checkpoint_folder(name_or_path: str, reader: str, revision: Optional[str] = None) -> Path:

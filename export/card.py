@@ -55,7 +55,7 @@ def write_card(
     branch = [("revision", revision)] if revision else []  # vLLM's SpeculativeConfig.revision
     speculative_config = json.dumps(dict([method, ("model", model), *branch, *rest]))
     command = repo.serve.format(
-        target=served_target(info),
+        target=target_in_command(info),
         path=served_as,
         gamma=gamma,
         gamma_plus_one=gamma + 1,
@@ -389,7 +389,7 @@ def compact(config: dict[str, Any]) -> str:
     return ", ".join(f"{key}={value}" for key, value in config.items() if key != "type" and value is not None)
 
 
-def served_target(info: dict[str, Any]) -> str:
+def target_in_command(info: dict[str, Any]) -> str:
     """The target as the serving command names it: the verifier, pinned (`--revision`, both engines' flag for the
     target) to the Hub commit draftsmith read it at where it was read from the Hub by that name: the engine loads that
     commit, not whatever the repository's main holds by then."""

@@ -38,6 +38,7 @@ from draftsmith.formats import Source
 from draftsmith.formats.repo import EngineRepo, served_dtype, target_arguments
 from draftsmith.formats.versions import VLLM_PYTHON_KEY
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
+from draftsmith.model_files import hub_snapshot
 from draftsmith.target import load_tokenizer
 
 ENGINE_TIMEOUT_S = 1800
@@ -300,10 +301,15 @@ def stamp(directory: Path) -> list:
 
 
 def served_target(cfg: DictConfig) -> str:
+    """The folder the check's engine loads the target from: a local target's, or a Hub id's snapshot in the Hub cache
+    at the commit draftsmith read it at (the files its load fetched; the card names the id at that commit)."""
     name = cfg.target.name_or_path
-    if not Path(name).is_dir():
-        raise UserError(f"the engine check needs the target as a local directory; {name!r} is not one")
-    return str(Path(name).resolve())
+    if Path(name).is_dir():
+        return str(Path(name).resolve())
+    snapshot = hub_snapshot(name, cfg.target.revision)
+    if snapshot is None:
+        raise UserError(f"the engine check reads the target's files, and the Hub cache holds none of {name!r}")
+    return str(snapshot)
 
 
 def compare(

@@ -309,3 +309,27 @@ def test_offline_a_revision_or_weights_the_cache_lacks_are_said_as_such(monkeypa
     line = refused_line(lambda: load_target("acme/no-weights"))
     assert "holds no weights of it (model.safetensors or model.safetensors.index.json): download them once" in line
     assert "pickle" not in line
+
+
+def test_the_export_checks_engine_reads_a_hub_targets_snapshot_at_its_revision(monkeypatch, tmp_path):
+    """The export's vLLM check refused every Hub id ("needs the target as a local directory"), a cached one too: its
+    engine now reads the snapshot folder of the commit draftsmith read (the files the target's load fetched), and the
+    card names the id at that commit (tests/test_hub_revision.py)."""
+    import huggingface_hub.constants as constants
+
+    from draftsmith.export.verify import served_target
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    repo = tmp_path / "hub-cache" / "models--acme--tiny"
+    for commit in ("a" * 40, "b" * 40):
+        tiny_llama(vocab=40).save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("b" * 40)
+    pinned = load_recipe(["recipe=medusa", "target.name_or_path=acme/tiny", f"target.revision={'a' * 40}"])
+    assert served_target(pinned) == str(repo / "snapshots" / ("a" * 40))
+    assert served_target(load_recipe(["recipe=medusa", "target.name_or_path=acme/tiny"])) == str(
+        repo / "snapshots" / ("b" * 40)
+    )
+    line = refused_line(lambda: served_target(load_recipe(["recipe=medusa", "target.name_or_path=acme/other"])))
+    assert line == "the engine check reads the target's files, and the Hub cache holds none of 'acme/other'"
