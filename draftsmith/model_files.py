@@ -114,8 +114,11 @@ def read_tokenizer(load: Callable[..., Any], name_or_path: str, what: str, **kwa
     try:
         return read_pretrained(load, name_or_path, what, **kwargs)
     except UserError as err:
-        if folder.is_dir() and not any((folder / name).is_file() for name in SAVED_TOKENIZER_FILES):
-            raise UserError(f"{what}: the folder holds no {' or '.join(SAVED_TOKENIZER_FILES)}") from err
+        where = folder if folder.is_dir() else hub_snapshot(name_or_path, kwargs.get("revision"))  # a Hub id's cached
+        if where is not None and not any((where / name).is_file() for name in SAVED_TOKENIZER_FILES):
+            said = "the folder" if where == folder else f"the Hub cache's copy of it ({where})"
+            advice = "" if where == folder else ": download them once with a network, or give a local folder"
+            raise UserError(f"{what}: {said} holds no {' or '.join(SAVED_TOKENIZER_FILES)}{advice}") from err
         raise
     except Exception as err:
         refused = not_a_tokenizer(folder / "tokenizer.json") if folder.is_dir() else None
@@ -248,8 +251,7 @@ def not_loadable(
 
 
 def cached_commits(name_or_path: str) -> str:
-    """The commits of Hub repository `name_or_path` the Hub cache holds, each with the ref naming it (`main -> 1a2b`),
-    for a line; "" where the cache holds none."""
+    """The commits of Hub repository `name_or_path` the Hub cache holds, each with its ref (`main -> 1a2b`); or ""."""
     from huggingface_hub import constants
 
     repo = Path(constants.HF_HUB_CACHE) / f"models--{name_or_path.replace('/', constants.REPO_ID_SEPARATOR)}"
@@ -394,9 +396,8 @@ def names_in(stamped: tuple[tuple[Path, int, int], ...]) -> Mapping[str, Path]:
     return MappingProxyType(names)
 
 
-# The attribute of a loaded target holding the Hub commit its files were read from (None: a local folder): what its
-# TargetShape records (a run resumed, a drafter served, on the commit it trained on) and where its own files are read
-# again (`checkpoint_folder`), whatever the repository's main has become since.
+# A loaded target's attribute: the Hub commit its files were read from (None: a local folder), which its TargetShape
+# records and its own files are read again at (`checkpoint_folder`), whatever the repository's main has become since.
 HUB_COMMIT = "draftsmith_hub_commit"
 
 
@@ -407,9 +408,8 @@ def hub_revision(model) -> Optional[str]:
 
 
 def hub_snapshot(name_or_path: str, revision: Optional[str]) -> Optional[Path]:
-    """The snapshot folder in the Hub cache of Hub repository `name_or_path` at `revision` (a branch, tag or commit;
-    None: main), which a load has just read: the folder its config.json is in, named by its commit, holding the files
-    the load fetched. None for a local folder, and where the cache holds no config.json of that revision."""
+    """The Hub cache's snapshot of repository `name_or_path` at `revision` (None: main) a load has read: the folder of
+    its config.json, named by its commit, holding what the load fetched; None for a local folder, or none cached."""
     if Path(name_or_path).expanduser().is_dir():
         return None
     from huggingface_hub import try_to_load_from_cache

@@ -286,8 +286,9 @@ def refused_line(load) -> str:
 
 def test_offline_a_revision_or_weights_the_cache_lacks_are_said_as_such(monkeypatch, tmp_path):
     """Offline, a revision the cache does not hold of a cached repository said only "not in the Hub cache", as if the
-    repository were not there, and a repository cached without its weights was called a pickle (pytorch_model.bin)
-    that was not there either (a newcomer's offline journey, 2026-12-07)."""
+    repository were not there; a repository cached without its weights was called a pickle (pytorch_model.bin) that
+    was not there either, and one without its tokenizer files blamed missing packages (a newcomer's offline journey,
+    2026-12-07)."""
     import huggingface_hub.constants as constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -309,6 +310,13 @@ def test_offline_a_revision_or_weights_the_cache_lacks_are_said_as_such(monkeypa
     line = refused_line(lambda: load_target("acme/no-weights"))
     assert "holds no weights of it (model.safetensors or model.safetensors.index.json): download them once" in line
     assert "pickle" not in line
+    # no tokenizer files cached either: transformers' line was to install sentencepiece or tiktoken, cut mid-sentence
+    line = refused_line(lambda: load_tokenizer("acme/no-weights"))
+    assert line == (
+        f"cannot load the tokenizer of 'acme/no-weights': the Hub cache's copy of it ({tmp_path / 'hub-cache'}/"
+        f"models--acme--no-weights/snapshots/{commit}) holds no tokenizer.json or tokenizer_config.json: download them "
+        "once with a network, or give a local folder"
+    )
 
 
 def test_the_export_checks_engine_reads_a_hub_targets_snapshot_at_its_revision(monkeypatch, tmp_path):
