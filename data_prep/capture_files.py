@@ -125,11 +125,12 @@ def refuse_other_capture(directory: Path, settings: dict[str, Any], record: Opti
 def target_changes(found: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """What differs between a capture's target record (`target_description`) and this run's: each field by name, and
     the weights as TargetShape.same_weights compares them, as far as both records know them (an engine that reads no
-    layer of the target, or an earlier draftsmith, records fewer: not a change)."""
+    layer of the target, or an earlier draftsmith, records fewer: not a change; nor is a field an earlier draftsmith
+    did not record, such as a Hub target's commit)."""
     changes = [
         f"target {key}: {found.get(key)!r} -> {value!r}"
         for key, value in now.items()
-        if key not in WEIGHT_RECORDS and found.get(key) != value
+        if key not in WEIGHT_RECORDS and key in found and found[key] != value
     ]
     same = same_embedding_norms(found.get("embedding_norms"), now.get("embedding_norms")) and same_layer_values(
         found.get("layer_values"), now.get("layer_values")

@@ -531,6 +531,16 @@ def test_a_capture_resumed_over_other_data_says_which_input_changed_not_two_hash
     assert resumed.computed == 0 and resumed.manifest["shards"] == first.manifest["shards"]
 
 
+def test_a_target_field_an_earlier_capture_did_not_record_is_no_change():
+    """A Hub target's commit (TargetShape.revision, 2026-12-07) is in a capture's target record since: a capture
+    recorded before resumes, and one recorded at another commit is a change."""
+    from draftsmith.data_prep.capture_files import target_changes
+
+    now = {"name_or_path": "acme/tiny", "hidden_size": 8, "revision": "a" * 40}
+    assert target_changes({key: value for key, value in now.items() if key != "revision"}, now) == []
+    assert target_changes({**now, "revision": "b" * 40}, now) == [f"target revision: {'b' * 40!r} -> {'a' * 40!r}"]
+
+
 def test_a_capture_recording_fewer_of_its_targets_weights_resumes_and_other_weights_are_refused(
     tmp_path, conversations, capsys
 ):
