@@ -307,10 +307,10 @@ def checkpoint_biases(section) -> Iterator[tuple[str, torch.Tensor]]:
     """The target's expert-score correction biases (routing_bias_limit's) as its checkpoint stores them, each read
     when asked: a router routing_bias_limit does not check by them reads none, and a Hub target's files are not
     fetched for it."""
-    files = str(checkpoint_folder(section.name_or_path, READER, section.revision))
-    for name in tensor_names(checkpoint_folder(files, READER)):
+    folder = checkpoint_folder(section.name_or_path, READER, section.revision)
+    for name in tensor_names(folder):
         if name.endswith(CORRECTION_BIAS):
-            yield name, read_tensor(files, name)
+            yield name, read_tensor(str(folder), name)
 
 
 def read_tensor(name_or_path: str, name: str) -> torch.Tensor:

@@ -177,7 +177,7 @@ class TargetShape:
     # what an earlier draftsmith saved
     embedding_norms: Optional[tuple[float, ...]] = None
     layer_values: Optional[tuple[float, ...]] = None
-    # the Hub commit its files were read from (draftsmith.target.HUB_COMMIT); None for a local folder, where only a
+    # the Hub commit its files were read from (model_files.HUB_COMMIT); None for a local folder, where only a
     # config was read, and in what an earlier draftsmith saved
     revision: Optional[str] = None
 
