@@ -251,16 +251,17 @@ def not_loadable(
 
 
 def cached_commits(name_or_path: str) -> str:
-    """The commits of Hub repository `name_or_path` the Hub cache holds, each with its ref (`main -> 1a2b`); or ""."""
-    from huggingface_hub import constants
+    """The commits of Hub repository `name_or_path` the Hub cache holds, each with its refs (`main -> 1a2b`); or ""."""
+    from huggingface_hub import CacheNotFound, constants, scan_cache_dir
 
-    repo = Path(constants.HF_HUB_CACHE) / f"models--{name_or_path.replace('/', constants.REPO_ID_SEPARATOR)}"
     try:
-        commits = sorted(path.name for path in (repo / "snapshots").iterdir())
-        refs = {path.read_text().strip(): path.name for path in (repo / "refs").glob("*") if path.is_file()}
-    except OSError:
+        repos = [repo for repo in scan_cache_dir(constants.HF_HUB_CACHE).repos if repo.repo_type == "model"]
+    except CacheNotFound:
         return ""
-    return ", ".join(f"{refs[commit]} -> {commit}" if commit in refs else commit for commit in commits)
+    held = sorted(
+        (rev.commit_hash, sorted(rev.refs)) for repo in repos if repo.repo_id == name_or_path for rev in repo.revisions
+    )
+    return ", ".join(f"{', '.join(refs)} -> {commit}" if refs else commit for commit, refs in held)
 
 
 def read_as_hub_id(name_or_path: str) -> str:
@@ -402,8 +403,7 @@ HUB_COMMIT = "draftsmith_hub_commit"
 
 
 def hub_revision(model) -> Optional[str]:
-    """The Hub commit a target draftsmith loaded was read from (draftsmith.target.with_hub_commit); None for a local
-    folder's."""
+    """The Hub commit a target draftsmith loaded was read from (target.with_hub_commit); None for a local folder's."""
     return getattr(model, HUB_COMMIT, None)
 
 

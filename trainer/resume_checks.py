@@ -18,6 +18,7 @@ from draftsmith.files import file_sha256, read_json, write_json
 from draftsmith.outputs import DATA_CONTENT_NAME, RECIPE_NAME
 from draftsmith.recipe import derived
 from draftsmith.recipe_schema import RecipeSchema
+from draftsmith.target import TargetShape
 
 log = logging.getLogger("draftsmith.train")
 
@@ -141,6 +142,16 @@ def require_resumed_as_begun(cfg: DictConfig, output_dir: Path) -> None:
         raise UserError(
             f"train.resume continues the run in {output_dir} as it began, and this recipe changes {'; '.join(changed)}"
             ": resume with the run's values and data, or start a new run from its checkpoint with train.init_from"
+        )
+
+
+def require_same_commit(begun_on: TargetShape, loaded: TargetShape, resumed_what: str) -> None:
+    """A run resumes on the Hub commit of the target it began on: another commit of the repository (its main moved
+    since) may compute otherwise with the same weights (a config value changed), which the weights' records miss."""
+    if begun_on.revision and loaded.revision and begun_on.revision != loaded.revision:
+        raise UserError(
+            f"{resumed_what} began on commit {begun_on.revision} of target {begun_on.name_or_path!r}, and the target "
+            f"now loads commit {loaded.revision}: give target.revision={begun_on.revision} to resume it as begun"
         )
 
 

@@ -60,6 +60,7 @@ from draftsmith.trainer.optim import build_optimizer
 from draftsmith.trainer.resume_checks import (
     record_data_content,
     require_resumed_as_begun,
+    require_same_commit,
     require_trained_as_begun,
     resumed_start,
 )
@@ -101,16 +102,6 @@ class Trained(NamedTuple):
 
     final: Path  # the final checkpoint directory
     prompt_count: Optional[PromptCount]  # Run.prompt_count
-
-
-def require_same_commit(begun_on: TargetShape, loaded: TargetShape, resumed_what: str) -> None:
-    """A run resumes on the Hub commit of the target it began on: another commit of the repository (its main moved
-    since) may compute otherwise with the same weights (a config value changed), which the weights' records miss."""
-    if begun_on.revision and loaded.revision and begun_on.revision != loaded.revision:
-        raise UserError(
-            f"{resumed_what} began on commit {begun_on.revision} of target {begun_on.name_or_path!r}, and the target "
-            f"now loads commit {loaded.revision}: give target.revision={begun_on.revision} to resume it as begun"
-        )
 
 
 def set_up(cfg: DictConfig, output_dir: Path) -> Run:
