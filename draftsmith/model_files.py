@@ -403,7 +403,7 @@ HUB_COMMIT = "draftsmith_hub_commit"
 
 
 def hub_revision(model) -> Optional[str]:
-    """The Hub commit a target draftsmith loaded was read from (target.with_hub_commit); None for a local folder's."""
+    """The Hub commit a loaded target was read from (draftsmith.target.with_hub_commit); None for a local folder's."""
     return getattr(model, HUB_COMMIT, None)
 
 
