@@ -48,7 +48,8 @@ from draftsmith.formats.versions import (
     require_engine_imports,
     routing_bias_limit,
 )
-from draftsmith.model_files import checkpoint_folder, hub_revision, stored_name, tensor_names
+from draftsmith.hub_cache import hub_revision
+from draftsmith.model_files import checkpoint_folder, stored_name, tensor_names
 from draftsmith.streams import stream_collapse
 from draftsmith.target import (
     TargetShape,

@@ -24,7 +24,7 @@ from draftsmith.data_prep.local_files import builder, file_digest, gzipped, sour
 from draftsmith.data_prep.records import normalize_record, normalize_records, warn_of_turn_order_oddities
 from draftsmith.data_prep.sources import is_named, named_file
 from draftsmith.errors import HubUnavailable, OutOfMemory, UserError, one_line
-from draftsmith.model_files import endpoint_out_of_reach
+from draftsmith.hub_cache import endpoint_out_of_reach
 
 logger = logging.getLogger("draftsmith.data")
 # a folder or glob of more files than this is one line, not a line a file (a sharded dump of 100,000 files)

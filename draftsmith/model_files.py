@@ -1,15 +1,14 @@
 """Where a model is read from, and the line when it cannot be: a local folder (a file in it this process may not
 read, a config.json that is no JSON object, a JSON or safetensors file that does not parse, weights only as a pickle
 where safetensors are asked for: each named as such, not as what transformers makes of it) or a Hub id (with the Hub
-out of reach, read from the Hub cache alone at once, not after huggingface_hub's retries). The target's loads
-(draftsmith/target.py) and a released assistant's (heads/gemma4_assistant.py) go through it."""
+out of reach, read from the Hub cache alone at once, not after huggingface_hub's retries: draftsmith/hub_cache.py).
+The target's loads (draftsmith/target.py) and a released assistant's (heads/gemma4_assistant.py) go through it."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
-import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -17,44 +16,10 @@ from typing import Any, Optional
 
 from safetensors import safe_open
 
-from draftsmith.errors import UserError, hub_cache_miss, one_line
+from draftsmith.errors import HubUnavailable, UserError, hub_cache_miss, one_line
+from draftsmith.hub_cache import cached_commits, hub_folder, hub_out_of_reach, hub_snapshot, not_cached, unreachable
 
-# how long a probe's answer about the Hub holds: the loads of one command share it, and a long `monitor watch` asks
-# again at a later check
-HUB_PROBE_TTL_S = 30.0
-_hub_probes: dict[str, tuple[float, Optional[Exception]]] = {}  # endpoint -> (time.monotonic() asked, its failure)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
-def hub_out_of_reach(name_or_path: str) -> Optional[Exception]:
-    """Why the Hub a load of `name_or_path` would ask cannot be reached: the failure of one request to it (no
-    answer within HF_HUB_ETAG_TIMEOUT), remembered for HUB_PROBE_TTL_S; None for a local folder, with HF_HUB_OFFLINE=1
-    (no request is made) or when the Hub answers. Where it is out of reach a load reads the Hub cache alone
-    (`local_files_only`): huggingface_hub would retry each file's request for about 25 s, logging every try, and then
-    read the cache all the same."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE or Path(name_or_path).expanduser().is_dir():
-        return None
-    return endpoint_out_of_reach(constants.ENDPOINT)
-
-
-def endpoint_out_of_reach(endpoint: str) -> Optional[Exception]:
-    """The failure of one request to the Hub at `endpoint` (no answer within HF_HUB_ETAG_TIMEOUT), remembered for
-    HUB_PROBE_TTL_S; None when it answers. A Hub data set's load (data_prep/conversations.py) asks it of datasets'
-    endpoint, a model's (`hub_out_of_reach`) of huggingface_hub's."""
-    from huggingface_hub import constants, get_session
-
-    asked, failure = _hub_probes.get(endpoint, (-HUB_PROBE_TTL_S, None))
-    if time.monotonic() - asked >= HUB_PROBE_TTL_S:
-        try:  # any answer, an error status too, is the Hub's: only no answer is out of reach
-            get_session().head(endpoint, timeout=constants.HF_HUB_ETAG_TIMEOUT)
-            failure = None
-        except Exception as err:  # noqa: BLE001 - the HTTP client's transport error, whose class differs by version
-            failure = err
-        _hub_probes[endpoint] = (time.monotonic(), failure)
-    return failure
-
 
 # Every model draftsmith loads with `from_pretrained` runs transformers' own layers. Since transformers 5.25 a load
 # kernelizes the model by default (use_kernels): matching layers are replaced by kernels the `kernels` package
@@ -182,13 +147,15 @@ def not_loadable(
     out_of_reach: Optional[Exception] = None,
     safetensors_only: bool = False,
     revision: Optional[str] = None,
-) -> UserError:
+) -> UserError | HubUnavailable:
     """The line for a model that did not load: transformers' reason; for a local folder it cannot read, the file
     (transformers names another cause: "No such file or directory" for unreadable weights, "Should have a
     `model_type` key" for an unreadable folder), the safetensors or JSON file that does not parse (their parsers
     name none); a folder's custom code without trust in draftsmith's words (transformers' names the folder as a Hub
     URL, and the keyword argument, not the recipe key); for a Hub id not in the cache with HF_HUB_OFFLINE=1, that
-    (transformers' own line then says it could not connect, which it never tried); a Hub repo without safetensors
+    (transformers' own line then says it could not connect, which it never tried) and the cached id closest to it; a
+    Hub repo cached without weights, that (HubUnavailable, exit 69, where the Hub is out of reach: the same command
+    downloads them once it answers); a Hub repo without safetensors
     weights, read with `safetensors_only` (use_safetensors), as a local folder's pickle is (transformers' line says
     not to set use_safetensors, which draftsmith always sets). Raised from `err`, whose chain says whether the Hub
     was out of reach instead (errors.hub_unreachable); `out_of_reach` is the failed probe's error of a load that
@@ -207,23 +174,27 @@ def not_loadable(
                 f"{cached} of it, and HF_HUB_OFFLINE=1 forbids downloading it: give one of those as target.revision, "
                 "or download it once with a network"
             )
-        return UserError(
-            f"{what}: not in the Hub cache ({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 forbids downloading "
-            "it: download it once with a network, or give a local folder"
-        )
+        return not_cached(what, name_or_path, guess=not read_as_hub_id(name_or_path))
     if miss is not None and out_of_reach is not None and miss.__cause__ is None:
         # the request that failed was the probe's: chained as huggingface_hub chains its own, the miss reads as the
         # Hub out of reach (exit 69), not as bad input
         miss.__cause__ = out_of_reach
     folder = Path(name_or_path).expanduser()
     local = folder.is_dir()
+    cache_alone = constants.HF_HUB_OFFLINE or out_of_reach is not None
+    if safetensors_only and not local and cache_alone:
+
+        def cached(name: str) -> bool:
+            return isinstance(try_to_load_from_cache(name_or_path, name, revision=revision), str)
+
+        if cached("config.json") and not any(map(cached, (*SAFETENSORS_WEIGHTS, *PICKLED_WEIGHTS))):
+            weights = " or ".join(SAFETENSORS_WEIGHTS)
+            no_weights = f"{what}: the Hub cache ({constants.HF_HUB_CACHE}) holds no weights of it ({weights})"
+            if out_of_reach is not None:  # the same command downloads them once the Hub answers: retry, not input
+                return unreachable(f"{no_weights}, and the Hub", out_of_reach, " to download them")
+            return UserError(f"{no_weights}: download them once with a network, or give a local folder")
     if safetensors_only and not local and "use_safetensors" in str(err):
-        where = " in the Hub cache" if constants.HF_HUB_OFFLINE or out_of_reach is not None else ""
-        if where and not isinstance(try_to_load_from_cache(name_or_path, "pytorch_model.bin", revision=revision), str):
-            return UserError(  # the cache holds its config and no weights at all: no pickle to speak of
-                f"{what}: the Hub cache ({constants.HF_HUB_CACHE}) holds no weights of it "
-                f"({' or '.join(SAFETENSORS_WEIGHTS)}): download them once with a network, or give a local folder"
-            )
+        where = " in the Hub cache" if cache_alone else ""
         return UserError(
             f"{what}: its weights are not safetensors ({name_or_path} has no {' or '.join(SAFETENSORS_WEIGHTS)}"
             f"{where}): a pickle (pytorch_model.bin), {CONVERT_PICKLE}"
@@ -248,20 +219,6 @@ def not_loadable(
         if malformed is not None:
             return UserError(f"{what}: {malformed[0]} is not valid JSON ({one_line(malformed[1])})")
     return UserError(f"{what}: {one_line(err)}")
-
-
-def cached_commits(name_or_path: str) -> str:
-    """The commits of Hub repository `name_or_path` the Hub cache holds, each with its refs (`main -> 1a2b`); or ""."""
-    from huggingface_hub import CacheNotFound, constants, scan_cache_dir
-
-    try:
-        repos = [repo for repo in scan_cache_dir(constants.HF_HUB_CACHE).repos if repo.repo_type == "model"]
-    except CacheNotFound:
-        return ""
-    held = sorted(
-        (rev.commit_hash, sorted(rev.refs)) for repo in repos if repo.repo_id == name_or_path for rev in repo.revisions
-    )
-    return ", ".join(f"{', '.join(refs)} -> {commit}" if refs else commit for commit, refs in held)
 
 
 def read_as_hub_id(name_or_path: str) -> str:
@@ -397,48 +354,11 @@ def names_in(stamped: tuple[tuple[Path, int, int], ...]) -> Mapping[str, Path]:
     return MappingProxyType(names)
 
 
-# A loaded target's attribute: the Hub commit its files were read from (None: a local folder), which its TargetShape
-# records and its own files are read again at (`checkpoint_folder`), whatever the repository's main has become since.
-HUB_COMMIT = "draftsmith_hub_commit"
-
-
-def hub_revision(model) -> Optional[str]:
-    """The Hub commit a loaded target was read from (draftsmith.target.with_hub_commit); None for a local folder's."""
-    return getattr(model, HUB_COMMIT, None)
-
-
-def hub_snapshot(name_or_path: str, revision: Optional[str]) -> Optional[Path]:
-    """The Hub cache's snapshot of repository `name_or_path` at `revision` (None: main) a load has read: the folder of
-    its config.json, named by its commit, holding what the load fetched; None for a local folder, or none cached."""
-    if Path(name_or_path).expanduser().is_dir():
-        return None
-    from huggingface_hub import try_to_load_from_cache
-
-    found = try_to_load_from_cache(name_or_path, "config.json", revision=revision)
-    if not isinstance(found, str) or Path(found).parent.parent.name != "snapshots":
-        return None
-    return Path(found).parent
-
-
-def hub_commit(name_or_path: str, revision: Optional[str]) -> Optional[str]:
-    """The commit `hub_snapshot` finds `revision` at; None where it finds none."""
-    folder = hub_snapshot(name_or_path, revision)
-    return None if folder is None else folder.name
-
-
 def checkpoint_folder(name_or_path: str, reader: str, revision: Optional[str] = None) -> Path:
     """The target's checkpoint folder: a local one, or a Hub id's snapshot at `revision` (the commit the target was
     loaded from: TargetShape.revision) in the cache (its weights fetched when the target loaded, or by the engine that
     runs it). `reader` names what reads it, for the line when it cannot."""
-    if Path(name_or_path).is_dir():
-        return Path(name_or_path)
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(name_or_path, revision=revision, allow_patterns=["*.safetensors", "*.json"]))
-    except (HfHubHTTPError, LocalEntryNotFoundError, ValueError, OSError) as err:
-        raise UserError(f"{reader}: cannot read target {name_or_path!r}'s checkpoint ({one_line(err)})") from None
+    return hub_folder(name_or_path, f"{reader}: cannot read target {name_or_path!r}'s checkpoint", revision)
 
 
 def prefix_renamed(name: str, renames: Iterable[tuple[str, str]]) -> str:

@@ -23,7 +23,8 @@ from typing import Any, Optional
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.model_files import HUB_COMMIT, hub_commit, hub_revision, read_pretrained, read_tokenizer
+from draftsmith.hub_cache import HUB_COMMIT, hub_commit, hub_revision
+from draftsmith.model_files import read_pretrained, read_tokenizer
 from draftsmith.streams import last_layer_streams
 from draftsmith.target_loading import load_config, read_model
 from draftsmith.target_weights import loaded_records, same_embedding_norms, same_layer_values
@@ -111,7 +112,7 @@ def empty_target(section, dtype: torch.dtype):
 
 
 def with_hub_commit(model: torch.nn.Module, section) -> torch.nn.Module:
-    """The loaded target, holding the Hub commit its files were read from (model_files.HUB_COMMIT)."""
+    """The loaded target, holding the Hub commit its files were read from (hub_cache.HUB_COMMIT)."""
     setattr(model, HUB_COMMIT, hub_commit(section.name_or_path, section.revision))
     return model
 
@@ -177,7 +178,7 @@ class TargetShape:
     # what an earlier draftsmith saved
     embedding_norms: Optional[tuple[float, ...]] = None
     layer_values: Optional[tuple[float, ...]] = None
-    # the Hub commit its files were read from (model_files.HUB_COMMIT); None for a local folder, where only a
+    # the Hub commit its files were read from (hub_cache.HUB_COMMIT); None for a local folder, where only a
     # config was read, and in what an earlier draftsmith saved
     revision: Optional[str] = None
 

@@ -17,7 +17,8 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from draftsmith.errors import UserError
-from draftsmith.model_files import checkpoint_folder, hub_revision, stored_name, tensor_names
+from draftsmith.hub_cache import hub_revision
+from draftsmith.model_files import checkpoint_folder, stored_name, tensor_names
 
 EMBEDDING_ROWS = 8  # TargetShape.embedding_norms: the rows read
 LAYER_VALUES = 8  # TargetShape.layer_values: the values read of each weight of the last layer

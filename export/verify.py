@@ -38,7 +38,7 @@ from draftsmith.formats import Source
 from draftsmith.formats.repo import EngineRepo, served_dtype, target_arguments
 from draftsmith.formats.versions import VLLM_PYTHON_KEY
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
-from draftsmith.model_files import hub_snapshot
+from draftsmith.hub_cache import hub_snapshot
 from draftsmith.target import load_tokenizer
 
 ENGINE_TIMEOUT_S = 1800

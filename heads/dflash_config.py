@@ -111,11 +111,20 @@ class DFlashBlockConfig(DrafterConfig):
 @dataclass
 class DFlashConfig(DFlashBlockConfig):
     type: str = "dflash"  # the drafter kind (registry key)
-    # A released DFlash drafter to start from: its folder (vLLM's DFlashDraftModel, or the encoder layout of
-    # transformers' DFlash assistants: heads/dflash_released.py), whose layers' config (widths, heads, RoPE, sliding
-    # windows) and weights it keeps; num_layers, target_layers, block_size and mask_token_id unset or the folder's.
-    # It sets the layers' shape, so a resume or a warm start (train.init_from) names the same folder.
+    # A released DFlash drafter to start from: its folder, or a Hub id (vLLM's DFlashDraftModel, or the encoder
+    # layout of transformers' DFlash assistants: heads/dflash_released.py), whose layers' config (widths, heads, RoPE,
+    # sliding windows) and weights it keeps; num_layers, target_layers, block_size and mask_token_id unset or the
+    # folder's. It sets the layers' shape, so a resume or a warm start (train.init_from) names the same folder.
     released_drafter: Optional[str] = None
+
+    def check(self, target: Optional[TargetShape] = None) -> None:
+        super().check(target)
+        from draftsmith.target import names_a_missing_folder
+
+        if self.released_drafter and names_a_missing_folder(self.released_drafter):  # before any data loads
+            raise UserError(
+                f"drafter.released_drafter={self.released_drafter}: no such folder (a Hub id reads owner/name)"
+            )
 
 
 def default_target_layers(num_target_layers: int, count: int) -> list[int]:

@@ -1,6 +1,6 @@
-"""A released DFlash drafter's folder as the start of a dflash drafter (`drafter.released_drafter`, and the dflash
-format's reader of such a folder, formats/dflash.py): the drafter keeps the folder's own draft layers (widths, heads,
-norm epsilon, RoPE and sliding windows, which need not be the target's), its settings and its weights.
+"""A released DFlash drafter (its folder, or a Hub id) as the start of a dflash drafter (`drafter.released_drafter`,
+and the dflash format's reader of such a folder, formats/dflash.py): the drafter keeps the folder's own draft layers
+(widths, heads, norm epsilon, RoPE and sliding windows, which need not be the target's), its settings and its weights.
 
 Two layouts are read. vLLM's `DFlashDraftModel` (formats/dflash.py writes it) keeps draftsmith's names and its
 settings under `dflash_config`. The *encoder layout* (transformers' DFlash assistants) keeps `target_layer_ids`,
@@ -16,7 +16,6 @@ config as released plus a `dflash_config` (its settings again, where vLLM's mode
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -27,6 +26,7 @@ from draftsmith.errors import UserError, one_line
 from draftsmith.families import FULL, SLIDING
 from draftsmith.files import read_json, require_readable
 from draftsmith.heads.eagle_base import decoder_spec
+from draftsmith.hub_cache import hub_folder
 from draftsmith.model_files import prefix_renamed
 
 ENCODER_NAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}  # released -> draftsmith's
@@ -58,10 +58,11 @@ def released_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return renamed(state, {ours: theirs for theirs, ours in ENCODER_NAMES.items()})
 
 
-def open_release(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """A released drafter folder's config.json and weights; one line where it holds none."""
-    folder = Path(folder).expanduser()
-    key = f"drafter.released_drafter={folder}"
+def open_release(name_or_path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A released drafter's config.json and weights: a folder's, or a Hub id's (draftsmith/hub_cache.py
+    `hub_folder`: downloaded, or read from the Hub cache); one line where it holds none."""
+    key = f"drafter.released_drafter={name_or_path}"
+    folder = hub_folder(name_or_path, f"cannot load {key}")
     if not (folder / "config.json").is_file():
         raise UserError(f"{key}: no config.json there (give a released DFlash drafter's folder)")
     require_readable(folder / "model.safetensors")

@@ -71,7 +71,8 @@ from draftsmith.heads.mtp_layouts import LAYOUTS, layout_of
 from draftsmith.heads.packing import causal_document_mask, documents, positions, shifted
 from draftsmith.heads.proposer import DraftState
 from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
-from draftsmith.model_files import checkpoint_folder, hub_revision, tensor_names
+from draftsmith.hub_cache import hub_revision
+from draftsmith.model_files import checkpoint_folder, tensor_names
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, loaded_config
 
 if TYPE_CHECKING:

@@ -1009,9 +1009,9 @@ def counted_hub_probes(monkeypatch) -> list[int]:
     one a request), and any retry's sleep a failure (huggingface_hub's retries take about 25 s)."""
     import huggingface_hub
 
-    from draftsmith import model_files
+    from draftsmith import hub_cache
 
-    monkeypatch.setattr(model_files, "_hub_probes", {})
+    monkeypatch.setattr(hub_cache, "_hub_probes", {})
 
     def no_retry(seconds):
         raise AssertionError(f"a request was retried (a {seconds} s sleep)")

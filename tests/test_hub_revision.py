@@ -13,7 +13,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from draftsmith.formats.repo import EXPORT_INFO
-from draftsmith.model_files import checkpoint_folder, hub_commit
+from draftsmith.hub_cache import hub_commit
+from draftsmith.model_files import checkpoint_folder
 from tests.helpers import DEMO, assert_one_line_error, run_entry_in_process, train_args
 
 pytestmark = pytest.mark.slow

@@ -1919,13 +1919,13 @@ def test_watch_retries_a_hub_out_of_reach_as_an_engine_and_check_exits_69(tmp_pa
     and the next check tries again; a one-off `check` still exits 69."""
     import huggingface_hub.constants as constants
 
-    from draftsmith import model_files, target, target_loading
+    from draftsmith import hub_cache, target, target_loading
     from draftsmith.monitor import check as monitor_check
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-    monkeypatch.setattr(model_files, "_hub_probes", {})
+    monkeypatch.setattr(hub_cache, "_hub_probes", {})
     checks = []
 
     def replaying(cfg, held):  # a check whose replay loads its target from the Hub, as run_eval does

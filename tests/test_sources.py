@@ -12,7 +12,7 @@ import datasets
 import huggingface_hub.constants
 import pytest
 
-from draftsmith import model_files
+from draftsmith import hub_cache
 from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.sources import named_file
 from draftsmith.errors import HubUnavailable, UserError, outcome
@@ -206,7 +206,7 @@ def test_a_hub_data_set_out_of_reach_exits_69_and_one_not_cached_offline_exits_2
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(datasets.config, "HF_ENDPOINT", "http://127.0.0.1:9")
-    monkeypatch.setattr(model_files, "_hub_probes", {})
+    monkeypatch.setattr(hub_cache, "_hub_probes", {})
     monkeypatch.setattr("time.sleep", lambda seconds: None)
     unreachable = run_entry_in_process(args, capsys)
     line = assert_one_line_error(unreachable, 69, "Couldn't reach 'acme/chats' on the Hub", prefix="Hub unavailable: ")

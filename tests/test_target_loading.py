@@ -341,3 +341,45 @@ def test_the_export_checks_engine_reads_a_hub_targets_snapshot_at_its_revision(m
     )
     line = refused_line(lambda: served_target(load_recipe(["recipe=medusa", "target.name_or_path=acme/other"])))
     assert line == "the engine check reads the target's files, and the Hub cache holds none of 'acme/other'"
+
+
+def cached_without_weights(cache: Path, name: str) -> None:
+    """A tiny Llama as acme/`name` in the Hub cache `cache`, main at one commit, its safetensors weights left out."""
+    repo = cache / f"models--acme--{name}"
+    tiny_llama(vocab=40).save_pretrained(repo / "snapshots" / ("a" * 40))
+    for path in (repo / "snapshots" / ("a" * 40)).glob("*.safetensors"):
+        path.unlink()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+
+
+def test_weights_the_cache_lacks_while_the_hub_is_out_of_reach_are_the_hub_out_of_reach(hub_out_of_reach):
+    """The Hub out of reach and its cache holding a repository's config without its weights exited 2 (bad input: the
+    cache "holds no weights"), though the same command run when the Hub answers downloads them: 69, retry later (a
+    newcomer's offline journey, 2026-12-07)."""
+    import huggingface_hub.constants as constants
+
+    cached_without_weights(Path(constants.HF_HUB_CACHE), "no-weights")
+    with pytest.raises(Exception) as err:
+        load_target("acme/no-weights")
+    code, line = outcome(err.value)
+    assert code == 69, line
+    assert line.startswith("Hub unavailable: cannot load target 'acme/no-weights': the Hub cache ("), line
+    assert "holds no weights of it (model.safetensors or model.safetensors.index.json), and the Hub " in line, line
+    assert "(http://127.0.0.1:9) cannot be reached to download them ([Errno 111] Connection refused): run" in line, line
+    assert line.endswith("run the same command again when the Hub can be reached, or give a local folder"), line
+
+
+def test_offline_a_hub_id_close_to_a_cached_one_is_named(monkeypatch, tmp_path):
+    """Offline, a mistyped Hub id (`acme/tiny-lama`) said "not in the Hub cache" while the cache held acme/tiny-llama;
+    the line now names the cached id closest to it."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    cached_without_weights(tmp_path / "hub-cache", "tiny-llama")
+    line = refused_line(lambda: load_config(target_section("acme/tiny-lama")))
+    assert line.startswith("cannot load target 'acme/tiny-lama': not in the Hub cache"), line
+    assert "(did you mean acme/tiny-llama?, which the cache holds)" in line, line
+    line = refused_line(lambda: load_config(target_section("other/model")))  # nothing close: no guess
+    assert "did you mean" not in line, line
