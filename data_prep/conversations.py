@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import zlib
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import datasets
@@ -43,7 +44,8 @@ def load_conversations(
     A source is a local `.jsonl`, `.ndjson`, `.json` (each optionally `.gz`) or `.parquet` file (any case), a
     glob, a directory (searched recursively for such files; the others are named in a warning), a named
     standard data set (`named:sharegpt`, `named:mt_bench`: data_prep/sources.py), or a Hub data set id,
-    optionally `id:split` (default split `train`). Each file of a glob or directory counts as its own source:
+    optionally `id@revision:split` (default: main, split `train`; offline, read from the datasets cache or else the
+    Hub cache's copy of it). Each file of a glob or directory counts as its own source:
     `max_conversations` keeps the first N records of each. Any invalid record raises a UserError naming the source and
     the 1-based record number. `prompts_only` (the eval's prompts) also accepts conversations that end
     with a user turn and have no answer yet. A line that is not valid UTF-8 is a UserError naming the
@@ -90,36 +92,63 @@ def _expand(
 
 def _load_hub(source: str) -> datasets.Dataset:
     repo, _, split = source.partition(":")
-    split = split or "train"
+    repo, _, revision = repo.partition("@")
+    split, revision = split or "train", revision or None
     # one quick request first: datasets would retry its own for about 25 s, logging every try, before reading its
     # cache all the same
     out_of_reach = None if datasets.config.HF_HUB_OFFLINE else endpoint_out_of_reach(datasets.config.HF_ENDPOINT)
+    copy = None
     try:
         with _datasets_offline(out_of_reach is not None):
-            dataset = datasets.load_dataset(repo, split=split)
+            dataset = datasets.load_dataset(repo, split=split, revision=revision)
     except ConnectionError as err:  # datasets' line for a Hub it could not reach, the request's error dropped
-        if out_of_reach is not None:  # not in the cache, which alone was read
+        # offline, datasets reads its own processed cache alone: the files `hf download --repo-type dataset` left in
+        # the Hub cache are read as the local folder they are
+        copy = _hub_cache_copy(repo, revision) if out_of_reach is not None or datasets.config.HF_HUB_OFFLINE else None
+        if copy is None and out_of_reach is not None:  # not in the caches, which alone were read
             raise HubUnavailable(
                 f"cannot load data set {repo!r} (split {split!r}): ConnectionError: Couldn't reach {repo!r} on the "
                 f"Hub ({one_line(out_of_reach, with_type=True)}); run the same command again when the Hub can be "
                 "reached, or give local files"
             ) from None
-        if datasets.config.HF_HUB_OFFLINE:  # no request was made: a data set not in the cache is the input's fault
+        if copy is None and datasets.config.HF_HUB_OFFLINE:  # no request was made: not cached is the input's fault
             raise UserError(
-                f"data set {repo!r} is not in the datasets cache, and HF_HUB_OFFLINE=1 forbids downloading it: "
-                "download it once with a network, or give local files"
+                f"data set {source!r} is in neither the datasets cache nor the Hub cache, and HF_HUB_OFFLINE=1 forbids "
+                "downloading it: download it once with a network, or give local files"
             ) from None
-        raise HubUnavailable(
-            f"cannot load data set {repo!r} (split {split!r}): {one_line(err, with_type=True)}; run the same command "
-            "again when the Hub can be reached, or give local files"
-        ) from None
+        if copy is None:
+            raise HubUnavailable(
+                f"cannot load data set {repo!r} (split {split!r}): {one_line(err, with_type=True)}; run the same "
+                "command again when the Hub can be reached, or give local files"
+            ) from None
     except Exception as err:  # auth, unknown repo or split: the user's to fix (a Hub out of reach further on
         # leaves huggingface_hub's error in the chain, which errors.hub_unreachable finds)
         raise_cache_fault(err, *hugging_face_caches())
         raise UserError(f"cannot load data set {repo!r} (split {split!r}): {one_line(err, with_type=True)}") from err
+    if copy is not None:
+        logger.info("reading data set %s from the Hub cache's copy of it (%s)", source, copy)
+        try:
+            dataset = datasets.load_dataset(str(copy), split=split)
+        except Exception as err:  # a split the files do not hold, files no builder reads
+            raise_cache_fault(err, *hugging_face_caches())
+            raise UserError(
+                f"cannot load data set {repo!r} (split {split!r}) from the Hub cache's copy of it ({copy}): "
+                f"{one_line(err, with_type=True)}"
+            ) from err
     if len(dataset) == 0:
         raise UserError(f"data set {source!r} has no records")
     return dataset
+
+
+def _hub_cache_copy(repo: str, revision: Optional[str]) -> Optional[Path]:
+    """The Hub cache's snapshot of data set `repo` at `revision` (None: main), where one is there."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo, repo_type="dataset", revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return None
 
 
 @contextlib.contextmanager

@@ -715,14 +715,14 @@ def test_a_folder_of_many_files_is_one_line_of_the_log(tmp_path, caplog):
 def test_hub_ids_go_through_load_dataset(monkeypatch):
     calls = []
 
-    def fake_load_dataset(path, split):
-        calls.append((path, split))
+    def fake_load_dataset(path, split, revision):
+        calls.append((path, split, revision))
         return datasets.Dataset.from_list(RECORDS)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    loaded = load_conversations(["someone/chats:validation", "someone/other"])
-    assert calls == [("someone/chats", "validation"), ("someone/other", "train")]
-    assert list(loaded["source"]) == ["someone/chats:validation"] * 2 + ["someone/other"] * 2
+    loaded = load_conversations(["someone/chats:validation", "someone/other@v1.0"])
+    assert calls == [("someone/chats", "validation", None), ("someone/other", "train", "v1.0")]
+    assert list(loaded["source"]) == ["someone/chats:validation"] * 2 + ["someone/other@v1.0"] * 2
 
 
 USER = {"role": "user", "content": "Hi"}

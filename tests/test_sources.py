@@ -200,8 +200,8 @@ def test_a_hub_data_set_out_of_reach_exits_69_and_one_not_cached_offline_exits_2
     args = ["train.py", *train_args(tmp_path / "run", {**small_data, "train": "acme/chats"}, token_cache)]
     offline = run_entry_in_process(args, capsys)
     assert assert_one_line_error(offline, 2) == (
-        "error: data set 'acme/chats' is not in the datasets cache, and HF_HUB_OFFLINE=1 forbids downloading it: "
-        "download it once with a network, or give local files"
+        "error: data set 'acme/chats' is in neither the datasets cache nor the Hub cache, and HF_HUB_OFFLINE=1 forbids "
+        "downloading it: download it once with a network, or give local files"
     )
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
@@ -268,3 +268,29 @@ def test_a_hub_data_set_out_of_reach_fails_at_once_and_one_in_the_cache_loads(da
     assert loaded[0]["source"] == "acme/chats" and [turn["content"] for turn in loaded[0]["messages"]] == ["Hi", "Yo"]
     assert len(data_hub_out_of_reach) == 1  # the answer is remembered for the loads that follow
     assert "Retrying" not in caplog.text and "thrown while requesting" not in caplog.text
+
+
+def test_offline_a_hub_data_set_downloaded_into_the_hub_cache_loads_at_the_revision_given(tmp_path, monkeypatch):
+    """A data set `hf download --repo-type dataset` left in the Hub cache was "not in the datasets cache" offline:
+    datasets reads its own processed cache alone (a newcomer's offline journey, 2026-12-07). It is now read as the
+    local folder it is, at main or at the revision `id@revision` names; a revision the cache lacks is one line."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    repo = tmp_path / "hub-cache" / "datasets--acme--chats"
+    for commit, answer in (("a" * 40, "first"), ("b" * 40, "second")):
+        (repo / "snapshots" / commit / "data").mkdir(parents=True)
+        record = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]}
+        (repo / "snapshots" / commit / "data" / "train.jsonl").write_text(json.dumps(record) + "\n")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("b" * 40)
+    assert datasets.config.HF_HUB_OFFLINE  # the tests' setting
+    assert load_conversations(["acme/chats"])[0]["messages"][1]["content"] == "second"
+    assert load_conversations([f"acme/chats@{'a' * 40}:train"])[0]["messages"][1]["content"] == "first"
+    with pytest.raises(UserError) as err:
+        load_conversations(["acme/chats@v2"])
+    assert str(err.value) == (
+        "data set 'acme/chats@v2' is in neither the datasets cache nor the Hub cache, and HF_HUB_OFFLINE=1 forbids "
+        "downloading it: download it once with a network, or give local files"
+    )
+    with pytest.raises(UserError, match=r"cannot load data set 'acme/chats' \(split 'test'\) from the Hub cache's"):
+        load_conversations(["acme/chats:test"])
