@@ -54,6 +54,7 @@ if __name__ == "__main__":  # before the imports below (torch's: seconds): draft
 import gzip
 import hashlib
 import json
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,8 @@ from draftsmith.progress import progress_bar
 from draftsmith.recipe import load_recipe
 from draftsmith.sharding import end_process_group, ranks_state
 from draftsmith.target import load_tokenizer
+
+logger = logging.getLogger("draftsmith.data")
 
 # The settings that decide a turn's answer: a reused regeneration must have made its answers with these.
 ANSWER_SETTINGS = ("target", "revision", "engine", "max_new_tokens", "temperature", "top_p", "vllm_dtype")
@@ -116,7 +119,7 @@ def main(argv: Sequence[str]) -> None:
         print(
             f"{result.conversations} conversations in {result.directory} and {result.left_out_in_all} left out, "
             f"every run's parts counted ({result.generated} generated now, "
-            f"{result.cut} of them cut short at a prompt of data.max_length={max_length} tokens or more, "
+            f"{result.cut} of them ended early at a later prompt of data.max_length={max_length} tokens or more, "
             f"{result.empty} at an empty answer; of those taken up now, "
             f"{left_out_line(result.left_out, max_length, min_turns)}; "
             f"{result.reused} answers taken from data.regenerate.reuse; not "
@@ -270,6 +273,12 @@ def regenerate_into(
     todo = [index for index in range(len(chunks)) if not (directory / output_part_name(index)).is_file()]
     mine = todo[state.process_index :: state.num_processes]
     done = rows_total - sum(len(chunks[index]) for index in todo)
+    if done and state.is_main_process:  # said as it starts: the line that counts the folder's totals comes at the end
+        written = len(chunks) - len(todo)
+        logger.info(
+            "resuming the regeneration in %s: %d of its %d parts written by an earlier run (%d of %d rows), %d to go",
+            directory, written, len(chunks), done, rows_total, len(todo),
+        )  # fmt: skip
     progress = progress_bar(
         total=rows_total,
         initial=done,

@@ -1030,9 +1030,9 @@ def test_opening_assistant_turns_through_regenerate_and_train(tmp_path, token_ca
     assert done.returncode == 0, done.stderr[-2000:]
     assert (
         f"2 conversations in {tmp_path / 'out'} and 1 left out, every run's parts counted (2 generated now, 0 of "
-        "them cut short at a prompt of data.max_length=64 tokens or more, 0 at an empty answer; of those taken up now, "
-        "1 left out, ended before min_turns=1 answers: 1 at a prompt of data.max_length=64 tokens or more; 0 answers "
-        "taken" in done.stdout
+        "them ended early at a later prompt of data.max_length=64 tokens or more, 0 at an empty answer; of those taken "
+        "up now, 1 left out, ended before min_turns=1 answers: 1 at a prompt of data.max_length=64 tokens or more; "
+        "0 answers taken" in done.stdout
     )
     written = [json.loads(line) for line in gzip.open(tmp_path / "out" / "part-00000.jsonl.gz", "rt")]
     assert [record["messages"][:2] for record in written] == [[GREETING, USER]] * 2  # no `"thinking": null`

@@ -42,9 +42,14 @@ def test_a_resumed_regeneration_counts_the_folders_totals(tmp_path, capsys):
 
     done = run_entry_in_process(["-m", "data_prep.regenerate", *args], capsys)
     assert done.returncode == 0, done.stderr[-2000:]
+    # said as it starts, not only in the totals at its end
+    assert f"resuming the regeneration in {out}: 3 of its 4 parts written by an earlier run (3 of 4 rows), 1 to go" in (
+        done.stderr
+    )
     assert (
-        f"3 conversations in {out} and 1 left out, every run's parts counted (1 generated now, 0 of them cut short "
-        "at a prompt of data.max_length=64 tokens or more, 0 at an empty answer; of those taken up now, 0 left out;"
+        f"3 conversations in {out} and 1 left out, every run's parts counted (1 generated now, 0 of them ended "
+        "early at a later prompt of data.max_length=64 tokens or more, 0 at an empty answer; of those taken up now, 0 "
+        "left out;"
     ) in done.stdout
     assert f"3 answers cut at data.regenerate.max_new_tokens=2 in {out} (1 of them generated now;" in done.stdout
 

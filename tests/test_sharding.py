@@ -266,7 +266,10 @@ def test_two_rank_regeneration_with_a_sharded_target_writes_the_same_text(tmp_pa
     single = regenerate(load_recipe(args(tmp_path / "single", "none")))  # one process, the whole target
     done = torchrun("-m", "data_prep.regenerate", *args(tmp_path / "sharded", "fsdp"))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "7 conversations in" in done.stdout and "(7 generated now, 0 of them cut short at a prompt" in done.stdout
+    assert (
+        "7 conversations in" in done.stdout
+        and "(7 generated now, 0 of them ended early at a later prompt" in done.stdout
+    )
     parts = sorted(p.name for p in single.directory.glob("part-*"))
     assert parts == ["part-00000.jsonl.gz", "part-00001.jsonl.gz", "part-00002.jsonl.gz"]  # rank 0 made two, rank 1 one
     match, mismatch, errors = filecmp.cmpfiles(single.directory, tmp_path / "sharded", parts, shallow=False)
