@@ -118,7 +118,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     if resume_from is not None:  # the checkpoint holds the weights: the run's start is not loaded again
         cfg = resumed_start(cfg, output_dir)
         resumed_what = f"train.resume's {resume_from}"
-        saved_kind, saved_config, saved_target = saved_drafter(resume_from / DRAFTER_DIR)[:3]
+        saved_kind, saved_config, saved_target, saved_file = saved_drafter(resume_from / DRAFTER_DIR)
         require_recipes_kind(saved_kind.type, cfg.drafter.type, resumed_what)  # said first
         require_resumed_as_begun(cfg, output_dir)
         require_trained_as_begun(saved_config, OmegaConf.to_object(cfg.drafter), resumed_what)
@@ -159,12 +159,14 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     if cfg.eval.enabled:  # the chain the eval stage asks, against the built drafter's (an MTP release's depth count)
         check_chain(cfg, type(drafter), drafter.config)
     train_data, collate, target_features = training_inputs(cfg, tokenizer, target, drafter, train_data)
-    # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank; a warm start keeps its start's
-    # (load_warm_start), so fitting it here was a pass over the data whose log line named a vocabulary not trained
-    if resume_from is not None or not cfg.train.init_from:
+    # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank, at a fresh start: a resume's
+    # checkpoint holds it and what it learned, a warm start keeps its start's (load_warm_start; fitted again, a
+    # resumed warm start recorded the coverage of a vocabulary it never trained)
+    if resume_from is None and not cfg.train.init_from:
         drafter.prepare(train_data, vocab_from=vocab_data)
     if resume_from is not None:  # its weights must be of the drafter the recipe builds
         require_recipes_drafter(saved_kind.type, saved_config, drafter.type, drafter.config, resumed_what, resume_from)
+        drafter.learned = dict(saved_file.get("learned") or {})
     elif cfg.train.init_from:  # warm start: a checkpoint, an export's folder or speculators'
         load_warm_start(cfg.train.init_from, drafter, target)
         for key in drafter.config.STARTS:
