@@ -53,6 +53,7 @@ class Exporter:
     sglang_reason: ClassVar[str] = ""  # why SGLang cannot serve these kinds ("" = it can)
     vllm_formats: ClassVar[tuple[str, ...]] = VLLM_FORMATS[:1]  # export.vllm_format values it writes
     weights_dirs: ClassVar[tuple[str, ...]] = ()  # subfolders of an engine folder that hold its drafter
+    speculators_types: ClassVar[tuple[str, ...]] = ()  # the speculators_model_type values of the folders it reads
     vllm_method: ClassVar[str]  # vLLM's speculative method for these kinds' folders
     # whether vLLM 0.32 may read another method than vllm_method from the served path or repo id (it picks the method
     # from a name holding another's keyword, formats/repo.py VLLM_PATH_TRIGGERS, but for the methods it keeps): the

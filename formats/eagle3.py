@@ -32,6 +32,7 @@ The conversions, each checked and recorded in draftsmith_export.json:
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,9 @@ from draftsmith.formats.eagle3_layout import (
     folder_target,
     layer_expected,
     refuse_unhonoured,
+    require_read_speculators,
     same_values,
+    trained_depths,
     vllm_ids,
     window_keys,
 )
@@ -73,6 +76,8 @@ from draftsmith.formats.versions import PARALLEL_DRAFTING_RELEASES, Releases
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import check_same_target
 from draftsmith.target import TargetShape
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,7 @@ class Speculators(Layout):
             **extensions,
             "eagle_aux_hidden_state_layer_ids": ids,
             "speculators_config": {
-                "algorithm": "eagle3",
+                "algorithm": self.model_type,  # speculators writes its model type's algorithm (peagle's "peagle")
                 "proposal_methods": [
                     {
                         "proposal_type": "greedy",
@@ -192,8 +197,14 @@ class Speculators(Layout):
         return config.get("transformer_layer_config", config)
 
     def read(self, folder: Path, config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+        require_read_speculators(folder, config, self.model_type)
         # speculators resolves unset ids to its default [2, L//2, L-3] (vLLM's ids) when it loads
         ids = config.get("eagle_aux_hidden_state_layer_ids") or [2, num_layers // 2, num_layers - 3]
+        if list(ids) != sorted(set(ids)):  # draftsmith concatenates its taps in layer order
+            raise UserError(
+                f"{folder}: eagle_aux_hidden_state_layer_ids {list(ids)} are not distinct and increasing, as "
+                "draftsmith's EAGLE-3 reads its taps (drafter.aux_layers, in layer order)"
+            )
         holder = self.layer(config) if self.extensions_in_layer else config
         settings = {
             "aux_layers": draftsmith_ids(ids),
@@ -207,20 +218,6 @@ class Speculators(Layout):
             if depths is not None:  # a draftsmith export writes its γ there: its export info's ttt_steps replaces it
                 settings["ttt_steps"] = depths
         return settings
-
-
-def trained_depths(config: dict[str, Any]) -> int | None:
-    """The chain depths a speculators P-EAGLE folder trained (draftsmith's ttt_steps: its chain is at most this
-    long), None where its config names none: speculators 0.6 writes `num_depths` (earlier, `para_depths`), and its
-    trainer sets `speculators_config`'s proposal method's `speculative_tokens` to the depths it trained."""
-    for key in ("num_depths", "para_depths"):
-        if config.get(key) is not None:
-            return int(config[key])
-    speculators = config.get("speculators_config") or {}
-    methods = speculators.get("proposal_methods") or []
-    default = speculators.get("default_proposal_method")
-    method = next((m for m in methods if m.get("proposal_type") == default), methods[0] if methods else {})
-    return int(method["speculative_tokens"]) if method.get("speculative_tokens") is not None else None
 
 
 class Native(Layout):
@@ -313,6 +310,7 @@ LAYOUTS = (SPECULATORS, PEAGLE, NATIVE, SGLANG)
 @register
 class Eagle3Exporter(Exporter):
     kinds = ("eagle3",)
+    speculators_types = (SPECULATORS.model_type, PEAGLE.model_type)
     vllm_method = "eagle3"
     vllm_formats = VLLM_FORMATS
 
@@ -350,7 +348,12 @@ class Eagle3Exporter(Exporter):
         layer_config = layout.layer(config)
         target = TargetShape.of(target_model, str(getattr(target_model, "name_or_path", "") or "the target"))
         num_layers = target.num_hidden_layers
-        check_same_target(folder_target(config, layer_config, tensors, info, target), target, str(folder))
+        made_for = folder_target(config, layer_config, tensors, info, target)
+        check_same_target(made_for, target, str(folder))
+        # the verifier it names, where it is not this target by its last name (a Hub id and a local copy of one
+        # model share theirs): what its embedding check below cannot tell apart from trained embeddings
+        other = Path(made_for.name_or_path).name.lower() != Path(target.name_or_path).name.lower()
+        named = f"it names verifier {made_for.name_or_path!r}, this target is {target.name_or_path!r}"
         settings = layout.read(folder, config, num_layers)
         refuse_unhonoured(folder, layer_config, settings["aux_layers"], num_layers)
         # vLLM reads norm_before_fc from its model config's eagle_config first (the draft layer's: a speculators
@@ -386,9 +389,13 @@ class Eagle3Exporter(Exporter):
         embedding, _ = drafter.target_modules()
         if "embed_tokens.weight" in tensors and not same_values(tensors["embed_tokens.weight"], embedding.weight):
             raise UserError(
-                f"{folder}: its embed_tokens.weight is not the target's embedding (trained, e.g. speculators' "
-                "--embed-requires-grad); draftsmith drafts with the target's own and would run another function"
+                f"{folder}: its embed_tokens.weight is not the target's embedding ("
+                + (f"made for another target: {named}; or " if other else "")
+                + "trained, e.g. speculators' --embed-requires-grad); draftsmith drafts with the target's own and "
+                "would run another function"
             )
+        if other:
+            log.warning("%s: %s; its shapes (and embedding, where it ships one) are this target's", folder, named)
         tensors = {
             name.replace("midlayer.", "layers.0."): tensor
             for name, tensor in tensors.items()

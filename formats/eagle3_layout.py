@@ -1,9 +1,11 @@
 """What every EAGLE-3 layout (formats/eagle3.py, formats/eagle3_sglang.py) shares: the `Layout`
 interface, and the draft layer as each writes and reads it (its aux-layer ids in vLLM's convention, the
-tensors it is loaded from, its config keys) with the checks a folder's layer must pass to be read."""
+tensors it is loaded from, its config keys) with the checks a folder's layer must pass to be read, and what a
+speculators folder's config says beside it (its release, its algorithm, a P-EAGLE folder's trained depths)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -16,6 +18,7 @@ from draftsmith.formats import Source
 from draftsmith.formats.repo import EngineRepo, TargetInfo
 from draftsmith.target import TargetShape
 
+log = logging.getLogger(__name__)
 VLLM_ID_SHIFT = 1  # vLLM's id names the layer whose input it captures, draftsmith's the layer whose output it is
 
 
@@ -186,3 +189,46 @@ class Layout:
 
 def eagle3_architecture(config: dict[str, Any]) -> bool:
     return any("Eagle3" in arch for arch in config.get("architectures", []))
+
+
+# the speculators release whose folders draftsmith reads and writes (tests/test_speculators_interop.py runs it)
+SPECULATORS_READ = "0.9"
+
+
+def require_read_speculators(folder: Path, config: dict[str, Any], model_type: str) -> None:
+    """A speculators folder's algorithm must be its model type's (another would draft otherwise, read as this one);
+    one saved by a later speculators release than SPECULATORS_READ is read as that release's, with a warning: a key
+    whose meaning changed since would draft otherwise, unsaid."""
+    from packaging.version import InvalidVersion, Version
+
+    algorithm = (config.get("speculators_config") or {}).get("algorithm", model_type)
+    if algorithm != model_type:
+        raise UserError(
+            f"{folder}: speculators_config.algorithm {algorithm!r} is not its speculators_model_type's "
+            f"({model_type!r}), the algorithm draftsmith reads such a folder as"
+        )
+    saved = config.get("speculators_version")
+    try:
+        later = saved is not None and Version(str(saved)).release[:2] > Version(SPECULATORS_READ).release[:2]
+    except InvalidVersion:
+        later = True
+    if later:
+        log.warning(
+            "%s was saved by speculators %s; draftsmith reads speculators %s's folders, and reads this one as such: "
+            "check its drafts (draftsmith eval) before training on from it",
+            folder, saved, SPECULATORS_READ,
+        )  # fmt: skip
+
+
+def trained_depths(config: dict[str, Any]) -> int | None:
+    """The chain depths a speculators P-EAGLE folder trained (draftsmith's ttt_steps: its chain is at most this
+    long), None where its config names none: speculators 0.6 writes `num_depths` (earlier, `para_depths`), and its
+    trainer sets `speculators_config`'s proposal method's `speculative_tokens` to the depths it trained."""
+    for key in ("num_depths", "para_depths"):
+        if config.get(key) is not None:
+            return int(config[key])
+    speculators = config.get("speculators_config") or {}
+    methods = speculators.get("proposal_methods") or []
+    default = speculators.get("default_proposal_method")
+    method = next((m for m in methods if m.get("proposal_type") == default), methods[0] if methods else {})
+    return int(method["speculative_tokens"]) if method.get("speculative_tokens") is not None else None

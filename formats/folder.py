@@ -92,10 +92,14 @@ def engine_format(folder: Path) -> tuple[Exporter, dict, dict]:
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise UserError(f"{folder / CONFIG_NAME}: corrupt engine config ({one_line(err, with_type=True)})") from None
     if len(matches) != 1:
-        raise UserError(
-            f"{folder} is not a drafter folder draftsmith can read "
-            f"(config.json architectures {config.get('architectures')})"
-        )
+        said = f"config.json architectures {config.get('architectures')}"
+        if "speculators_model_type" in config:  # speculators names the model by its type, not its architecture
+            read = sorted({kind for exporter in EXPORTERS.values() for kind in exporter.speculators_types})
+            said = (
+                f"config.json speculators_model_type {config['speculators_model_type']!r}; it reads speculators' "
+                f"{', '.join(read)}"
+            )
+        raise UserError(f"{folder} is not a drafter folder draftsmith can read ({said})")
     return matches[0], config, tensors
 
 
@@ -160,6 +164,8 @@ def not_a_drafter(path: Path) -> UserError:
         return UserError(f"{path} is a file: give the folder of a drafter checkpoint or of an exported drafter")
     inside = sorted(p.parent.name for p in path.glob(f"*/{CONFIG_NAME}") if (p.parent / WEIGHTS_NAME).is_file())
     where = f"; its {inside[0]}/ does (pass that)" if inside else ""  # a run's final/, a training checkpoint's drafter/
+    if not inside and (path / CONFIG_NAME).is_file():  # the weights file is what is missing
+        where = f": it has a {CONFIG_NAME} and no {WEIGHTS_NAME}"
     return UserError(
         f"{path} holds neither a drafter checkpoint nor an exported drafter folder "
         f"(config.json + {WEIGHTS_NAME}){where}"

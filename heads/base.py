@@ -335,7 +335,9 @@ def read_checkpoint_config(directory: Path) -> dict[str, Any]:
         raise UserError(f"{directory} is not a drafter checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
     saved = read_json(config_path, "drafter config")
     if not isinstance(saved, dict) or "draftsmith_format" not in saved:
-        raise UserError(f"{config_path} is not a draftsmith checkpoint config (no draftsmith_format)")
+        engine = ": an engine folder (an export, or speculators'), served as it is; train.init_from trains on from it"
+        said = engine if isinstance(saved, dict) and "architectures" in saved else ""
+        raise UserError(f"{config_path} is not a draftsmith checkpoint config (no draftsmith_format){said}")
     if saved["draftsmith_format"] != FORMAT_VERSION:
         raise UserError(
             f"{config_path}: checkpoint format {saved['draftsmith_format']!r}, this draftsmith reads {FORMAT_VERSION}; "

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import draftsmith.export.run as export_run
 from draftsmith.errors import ExportCheckFailed, UserError
@@ -221,8 +222,12 @@ def test_export_reads_a_checkpoint_not_an_engine_folder_as_the_keys_help_says(ta
     cfg = load_recipe(recipe_args("medusa", tmp_path / "export", "export.engines=[vllm]"))
     folder = export_run.export_checkpoint(cfg, checkpoint, target=target)["vllm"]
     again = load_recipe(recipe_args("medusa", tmp_path / "again", "export.engines=[vllm]"))
-    with pytest.raises(UserError, match="is not a draftsmith checkpoint config"):
+    with pytest.raises(UserError, match="is not a draftsmith checkpoint config") as refused:
         export_run.export_checkpoint(again, folder, target=target)
+    assert str(refused.value).endswith(
+        "(no draftsmith_format): an engine folder (an export, or speculators'), served as it is; train.init_from "
+        "trains on from it"
+    )
     row = next(
         line for line in (ROOT / "docs" / "recipe.md").read_text().splitlines() if line.startswith("| `checkpoint`")
     )
@@ -243,3 +248,61 @@ def test_a_medusa_2_push_is_refused_before_anything_is_exported(target, tmp_path
     result = run_entry_in_process(["-m", "draftsmith", "export", *args], capsys)
     assert_one_line_error(result, 2, "a Medusa-2 export is served from subfolders (medusa/ and the model beside them)")
     assert not output.exists()
+
+
+# -- a speculators folder read (eval, train.init_from) -----------------------------------------------------------
+def test_what_a_speculators_folders_config_says_beside_its_tensors_is_read_or_refused_in_one_line(
+    target, tmp_path, caplog
+):
+    """A newcomer's journey with speculators' own EAGLE-3 folders (2026-12-07): an unknown speculators_model_type was
+    blamed on the folder's architectures; an algorithm other than its type's and a later speculators release were
+    read without a word; layer ids out of order were blamed on drafter.aux_layers, a key never set; a folder made for
+    another target of the same shape was said to have trained embeddings only; a folder without its weights file
+    was not said to lack it."""
+    import shutil
+
+    from draftsmith.formats.folder import open_drafter
+    from draftsmith.target import TargetShape
+
+    shape = TargetShape.of(target, str(REFERENCE_TARGET))
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
+    folder = export_run.export_checkpoint(load_recipe(recipe_args("eagle3", tmp_path / "export")), checkpoint,
+                                          target=target)["vllm"]  # fmt: skip
+    config = json.loads((folder / "config.json").read_text())
+    assert config["speculators_config"]["algorithm"] == "eagle3"
+
+    def edited(name: str, **changes) -> Path:
+        copy_ = tmp_path / name
+        shutil.copytree(folder, copy_)
+        (copy_ / "config.json").write_text(json.dumps({**copy.deepcopy(config), **changes}))
+        return copy_
+
+    def refused(path: Path) -> str:
+        with pytest.raises(UserError) as error:
+            open_drafter(path, shape, target)
+        assert "\n" not in str(error.value)
+        return str(error.value)
+
+    line = refused(edited("type", speculators_model_type="eagle4"))
+    assert line.endswith("(config.json speculators_model_type 'eagle4'; it reads speculators' eagle3, peagle)"), line
+    speculators = {**config["speculators_config"], "algorithm": "eagle4"}
+    line = refused(edited("algorithm", speculators_config=speculators))
+    assert "speculators_config.algorithm 'eagle4' is not its speculators_model_type's ('eagle3')" in line, line
+    line = refused(edited("ids", eagle_aux_hidden_state_layer_ids=[1, 3, 2]))
+    assert "eagle_aux_hidden_state_layer_ids [1, 3, 2] are not distinct and increasing" in line, line
+    with caplog.at_level("WARNING"):
+        open_drafter(edited("later", speculators_version="2.3.0"), shape, target)
+    assert "was saved by speculators 2.3.0; draftsmith reads speculators 0.9's folders" in caplog.text
+    caplog.clear()
+    verifier = {**config["speculators_config"], "verifier": {"name_or_path": "acme/other-model"}}
+    with caplog.at_level("WARNING"):
+        open_drafter(edited("other", speculators_config=verifier), shape, target)
+    assert "it names verifier 'acme/other-model', this target is " in caplog.text
+    weights = load_file(str(folder / "model.safetensors"))
+    other = edited("embedding", speculators_config=verifier)
+    save_file({**weights, "embed_tokens.weight": weights["embed_tokens.weight"] + 1}, str(other / "model.safetensors"))
+    line = refused(other)
+    assert "is not the target's embedding (made for another target: it names verifier 'acme/other-model'" in line
+    (edited("no-weights") / "model.safetensors").unlink()
+    line = refused(tmp_path / "no-weights")
+    assert line.endswith("(config.json + model.safetensors): it has a config.json and no model.safetensors"), line
