@@ -139,6 +139,13 @@ class Exporter:
         """Whether an engine folder (its config.json and weights) is in one of this exporter's formats."""
         raise NotImplementedError
 
+    def folder_settings(self, folder: Path, config: dict[str, Any], num_layers: Optional[int] = None) -> dict[str, Any]:
+        """The drafter settings an engine folder's config.json fixes, read without its target (`num_layers`: the
+        target's layer count where known, for defaults that follow from it): what a warm start's recipe is compared
+        with before any data or model loads (formats/folder.py require_drafter_folder). None by default: the folder
+        is compared once its drafter is built."""
+        return {}
+
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
     ) -> Drafter:

@@ -199,15 +199,17 @@ class Speculators(Layout):
     def read(self, folder: Path, config: dict[str, Any], num_layers: int) -> dict[str, Any]:
         require_read_speculators(folder, config, self.model_type)
         # speculators resolves unset ids to its default [2, L//2, L-3] (vLLM's ids) when it loads
-        ids = config.get("eagle_aux_hidden_state_layer_ids") or [2, num_layers // 2, num_layers - 3]
-        if list(ids) != sorted(set(ids)):  # draftsmith concatenates its taps in layer order
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        if not ids and num_layers is not None:
+            ids = [2, num_layers // 2, num_layers - 3]
+        if ids and list(ids) != sorted(set(ids)):  # draftsmith concatenates its taps in layer order
             raise UserError(
                 f"{folder}: eagle_aux_hidden_state_layer_ids {list(ids)} are not distinct and increasing, as "
                 "draftsmith's EAGLE-3 reads its taps (drafter.aux_layers, in layer order)"
             )
         holder = self.layer(config) if self.extensions_in_layer else config
         settings = {
-            "aux_layers": draftsmith_ids(ids),
+            **({"aux_layers": draftsmith_ids(ids)} if ids else {}),  # unset without the target: its default's
             "layer_family": self.layer(config).get("model_type", self.families[0]),
             "norm_before_residual": bool(config.get("norm_before_residual", self.norm_before_residual)),
             **{key: bool(holder.get(key, False)) for key in EXTENSIONS},
@@ -341,25 +343,34 @@ class Eagle3Exporter(Exporter):
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         return any(layout.recognises(config) for layout in LAYOUTS)
 
+    def folder_settings(self, folder: Path, config: dict[str, Any], num_layers: Optional[int] = None) -> dict[str, Any]:
+        layout = next(layout for layout in LAYOUTS if layout.recognises(config))
+        layer_config = layout.layer(config)
+        # vLLM reads norm_before_fc from its model config's eagle_config first (the draft layer's: a speculators
+        # folder's transformer_layer_config), then the top level, in every layout
+        eagle_config = layer_config.get("eagle_config") or {}
+        return layout.read(folder, config, num_layers) | {
+            "norm_before_fc": bool(eagle_config.get("norm_before_fc", config.get("norm_before_fc", False))),
+            "sliding_window": layer_window(layer_config),
+            "draft_vocab_size": int(config["draft_vocab_size"]),
+        }
+
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
     ):
         layout = next(layout for layout in LAYOUTS if layout.recognises(config))
         layer_config = layout.layer(config)
         target = TargetShape.of(target_model, str(getattr(target_model, "name_or_path", "") or "the target"))
-        num_layers = target.num_hidden_layers
         made_for = folder_target(config, layer_config, tensors, info, target)
         check_same_target(made_for, target, str(folder))
         # the verifier it names, where it is not this target by its last name (a Hub id and a local copy of one
         # model share theirs): what its embedding check below cannot tell apart from trained embeddings
         other = Path(made_for.name_or_path).name.lower() != Path(target.name_or_path).name.lower()
         named = f"it names verifier {made_for.name_or_path!r}, this target is {target.name_or_path!r}"
-        settings = layout.read(folder, config, num_layers)
+        num_layers = target.num_hidden_layers
+        settings = self.folder_settings(folder, config, num_layers)
         refuse_unhonoured(folder, layer_config, settings["aux_layers"], num_layers)
-        # vLLM reads norm_before_fc from its model config's eagle_config first (the draft layer's: a speculators
-        # folder's transformer_layer_config), then the top level, in every layout
         eagle_config = layer_config.get("eagle_config") or {}
-        norm_before_fc = eagle_config.get("norm_before_fc", config.get("norm_before_fc", False))
         aux = int(layer_config.get("num_aux_hidden_states") or len(settings["aux_layers"]))
         if not eagle_config.get("use_aux_hidden_state", True) or aux != len(settings["aux_layers"]):
             raise UserError(
@@ -367,11 +378,6 @@ class Eagle3Exporter(Exporter):
                 f"aux hidden states (num_aux_hidden_states, eagle_config.use_aux_hidden_state), draftsmith the "
                 f"{len(settings['aux_layers'])} its layer ids name"
             )
-        settings |= {
-            "norm_before_fc": bool(norm_before_fc),
-            "sliding_window": layer_window(layer_config),
-            "draft_vocab_size": int(config["draft_vocab_size"]),
-        }
         settings |= {
             key: value
             for key, value in info.get("drafter_config", {}).items()

@@ -183,14 +183,28 @@ def require_drafter_folder(cfg) -> None:
     if engine_folder(folder) is None:
         raise not_a_drafter(folder)
     require_weights_as_configured(folder)
+    recipe = OmegaConf.to_object(cfg.drafter)
+    what = f"train.init_from={cfg.train.init_from}"
     if checkpoint_kind(folder) is not None:  # a draftsmith checkpoint's settings are read without a target
         kind, saved = saved_drafter(folder)[:2]
-        recipe = OmegaConf.to_object(cfg.drafter)
-        what = f"train.init_from={cfg.train.init_from}"
         require_recipes_kind(kind.type, recipe.type, what)
         # what the recipe leaves null is the target's or the start's to fill: only `warm_start` can compare it
         given = replace(saved, **{key: value for key, value in asdict(recipe).items() if value is not None})
         require_recipes_drafter(kind.type, saved, recipe.type, given, what, cfg.train.init_from)
+    else:  # an engine folder: what its config.json fixes (its format's folder_settings), before minutes of loading
+        found = engine_folder(folder)
+        exporter, config, _ = engine_format(found)
+        require_recipes_kind(exporter.kinds[0], recipe.type, what)
+        ours = architecture(recipe)
+        try:  # a config.json edited to values its reader cannot take, as read_folder says it
+            fixed = exporter.folder_settings(found, config)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+            raise UserError(
+                f"{found / CONFIG_NAME}: corrupt {exporter.kinds[0]} engine config ({one_line(err, with_type=True)})"
+            ) from None
+        raise_if_differ(
+            {key: value for key, value in fixed.items() if ours.get(key) is not None}, ours, what, cfg.train.init_from
+        )
 
 
 def warm_start(path: str | Path, drafter, target_model):
@@ -297,11 +311,16 @@ def require_recipes_drafter(
     keys to set, never adopted silently (training settings, DrafterConfig.SETTINGS, and what a kind resolves
     from the target may differ)."""
     require_recipes_kind(kind, recipe_kind, what)
-    theirs, ours = architecture(config), architecture(recipe)
+    raise_if_differ(architecture(config), architecture(recipe), what, path)
+
+
+def raise_if_differ(theirs: dict[str, Any], ours: dict[str, Any], what: str, path: str | Path) -> None:
+    """One UserError naming each of `theirs` (the drafter `what`, the folder `path`, holds) that `ours` (the recipe's)
+    sets otherwise, and the keys to set."""
     differ = [
         f"drafter.{key}={json.dumps(ours[key], default=str)} ({path} has {json.dumps(theirs.get(key), default=str)})"
         for key in ours
-        if theirs.get(key) != ours[key]
+        if key in theirs and theirs[key] != ours[key]
     ]
     if differ:
         raise UserError(

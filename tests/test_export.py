@@ -746,6 +746,15 @@ def test_a_checkpoint_of_another_kind_than_the_recipe_s_is_refused_as_a_warm_sta
     line = f"train.init_from={checkpoint} is another architecture than the recipe's: drafter.num_heads=5 ({checkpoint}"
     assert_one_line_error(started, 2, line)
     assert not run.exists() or not any(run.iterdir())
+    # so are the settings an engine folder's config.json fixes (an EAGLE-3 folder's norms; speculators' own folders):
+    # compared only once the data had been tokenized and the target loaded (a newcomer's journey, 2026-12-07)
+    eagle3_checkpoint = save_drafter("eagle3", target, tmp_path / "eagle3-ckpt")
+    folder = run_export("eagle3", eagle3_checkpoint, tmp_path / "eagle3-exported", target=target)["vllm"]
+    train = ["train.py", "recipe=eagle3", f"data.train=[{unreadable}]", f"train.init_from={folder}"]
+    started = run_entry_in_process([*train, "drafter.norm_output=true", f"output_dir={run}"], capsys)
+    line = f"train.init_from={folder} is another architecture than the recipe's: drafter.norm_output=true ({folder} has"
+    assert_one_line_error(started, 2, line)
+    assert not run.exists() or not any(run.iterdir())
 
 
 def test_the_card_states_the_training_of_the_run_that_saved_the_checkpoint(target, tmp_path):
