@@ -196,7 +196,7 @@ class Speculators(Layout):
     def layer(self, config: dict[str, Any]) -> dict[str, Any]:
         return config.get("transformer_layer_config", config)
 
-    def read(self, folder: Path, config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    def read(self, folder: Path, config: dict[str, Any], num_layers: Optional[int]) -> dict[str, Any]:
         require_read_speculators(folder, config, self.model_type)
         # speculators resolves unset ids to its default [2, L//2, L-3] (vLLM's ids) when it loads
         ids = config.get("eagle_aux_hidden_state_layer_ids")
@@ -294,7 +294,7 @@ class Native(Layout):
             and "eagle_aux_hidden_state_layer_ids" not in config.get("eagle_config", {})
         )
 
-    def read(self, folder: Path, config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    def read(self, folder: Path, config: dict[str, Any], num_layers: Optional[int]) -> dict[str, Any]:
         return {
             "aux_layers": draftsmith_ids(config["eagle_aux_hidden_state_layer_ids"]),
             "layer_family": self.families[0],

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -181,9 +181,10 @@ class Layout:
         """The draft layer's config within the folder's config (at its top level unless overridden)."""
         return config
 
-    def read(self, folder: Path, config: dict[str, Any], num_layers: int) -> dict[str, Any]:
-        """The drafter settings the folder sets in this format: `aux_layers` (draftsmith's ids),
-        `layer_family`, `norm_before_residual`, and EAGLE-3.1's and P-EAGLE's keys where it has them."""
+    def read(self, folder: Path, config: dict[str, Any], num_layers: Optional[int]) -> dict[str, Any]:
+        """The drafter settings the folder sets in this format: `aux_layers` (draftsmith's ids; left out where the
+        folder names none and `num_layers`, the target's, is not known), `layer_family`, `norm_before_residual`, and
+        EAGLE-3.1's and P-EAGLE's keys where it has them."""
         raise NotImplementedError
 
 

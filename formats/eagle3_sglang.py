@@ -4,7 +4,7 @@ apart from vLLM's (formats/eagle3.py) because SGLang's layer has fewer settings 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from draftsmith.errors import UserError
 from draftsmith.formats import Source
@@ -117,7 +117,7 @@ class SGLang(Layout):
             and "eagle_aux_hidden_state_layer_ids" in config.get("eagle_config", {})
         )
 
-    def read(self, folder: Path, config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    def read(self, folder: Path, config: dict[str, Any], num_layers: Optional[int]) -> dict[str, Any]:
         ours = list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         top = config.get("eagle_aux_hidden_state_layer_ids")
         if top is not None and draftsmith_ids(top) != ours:
