@@ -197,10 +197,13 @@ class MtpExporter(Exporter):
                 "export it for sglang"
             )
         elif mtp_sglang.trained_for_sglang_alone(drafter):
+            sglang = mtp_sglang.refusal(drafter, target)  # the other engine's advice only where it serves it
+            instead = "export it for sglang" if sglang is None else "no engine serves it as it trained (SGLang neither)"
             raise UserError(
                 f"this MTP drafter trained with the embedding at position 0 read (drafter.masks_first_position=false, "
                 f"as SGLang computes it), and every vLLM release checked zeroes it in {drafter.layout.vllm_model}: "
-                "export it for sglang, or train with drafter.masks_first_position unset for vllm"
+                f"{instead}; train it with drafter.masks_first_position unset for vllm, or with "
+                f"{mtp_sglang.sglang_training(drafter)} for sglang"
             )
 
     def folder(self, source: Source, depths: int) -> tuple[Layout, dict, dict, dict]:

@@ -157,9 +157,27 @@ def vllm_instead(drafter) -> str:
     if not trained_for_sglang_alone(drafter):
         return "export it for vllm"
     return (
-        "no engine serves this drafter as it trained (drafter.masks_first_position=false, for SGLang alone): train it "
-        "with drafter.masks_first_position unset and export it for vllm"
+        "no engine serves this drafter as it trained (drafter.masks_first_position=false, which no vLLM release "
+        "computes): train it with drafter.masks_first_position unset and export it for vllm"
     )
+
+
+def sglang_training(drafter) -> str:
+    """The `drafter.*` settings that train the layer as SGLang computes it (COMPUTED_AS, COMPUTES), each where it is
+    not the recipe's default (the layer as vLLM's model of its release computes it)."""
+    architecture = drafter.config.decoder["architecture"]
+    computed, default = computed_as(architecture), LAYOUTS[architecture]
+    keys = [key for key in ("masks_first_position", "feeds_back_normed") if computed[key] != getattr(default, key)]
+    return " ".join(f"drafter.{key}={str(computed[key]).lower()}" for key in keys) or "the recipe's defaults"
+
+
+def refusal(drafter, target: TargetInfo) -> str | None:
+    """`refuse`'s line, or None where SGLang serves this MTP drafter as it trained."""
+    try:
+        refuse(drafter, target)
+    except UserError as err:
+        return str(err)
+    return None
 
 
 def refuse(drafter, target: TargetInfo) -> None:
@@ -172,23 +190,24 @@ def refuse(drafter, target: TargetInfo) -> None:
             "every step (it reads layer 0 alone): export it for vllm, or train with drafter.mtp_depths=1"
         )
     computed = computed_as(drafter.config.decoder["architecture"])
+    differ = []  # every way the layer trained otherwise than SGLang computes it, in one line: a retraining mends all
     if drafter.layout.masks_first_position != computed["masks_first_position"]:
         trained, served = (
             (f"zeroed, as vLLM's {drafter.layout.vllm_model} computes it,", "reads")
             if drafter.layout.masks_first_position
             else ("read,", "zeroes")
         )
-        setting = "=false" if drafter.layout.masks_first_position else " unset"
-        raise UserError(
-            f"this MTP drafter trained with the embedding at position 0 {trained} and SGLang's {model} {served} it: "
-            f"export it for vllm, or train with drafter.masks_first_position{setting} for sglang"
-        )
+        differ.append(f"with the embedding at position 0 {trained} and SGLang's {model} {served} it")
     if drafter.layout.feeds_back_normed != computed["feeds_back_normed"]:
         trained, served = ("after", "before") if drafter.layout.feeds_back_normed else ("before", "after")
+        differ.append(
+            f"later draft steps on the layer's output {trained} its final norm, and SGLang's {model} feeds them the "
+            f"output {served} it"
+        )
+    if differ:
         raise UserError(
-            f"this MTP drafter trained later draft steps on the layer's output {trained} its final norm, and SGLang's "
-            f"{model} feeds them the output {served} it: export it for vllm, or train with "
-            f"drafter.feeds_back_normed={str(computed['feeds_back_normed']).lower()} for sglang"
+            f"this MTP drafter trained {'; and '.join(differ)}: {vllm_instead(drafter)}, or train with "
+            f"{sglang_training(drafter)} for sglang"
         )
     hidden = target.shape.hidden_size
     if model in FUSED_EH_NORM and not (256 < hidden <= 8192 and hidden % 256 == 0):

@@ -202,7 +202,8 @@ def cpu_build_limit(config: dict, dtype: Optional[str] = None) -> Optional[str]:
     if dtype not in (None, "bfloat16") and LINEAR in layer_types(config):
         return (
             f'its linear-attention (Gated DeltaNet) kernels take bfloat16 only ("CPU GDN attention requires BF16"), '
-            f"and this target is loaded in {dtype}: set target.dtype=bfloat16"
+            f"and this target is loaded in {dtype}: set target.dtype=bfloat16, for the eval report the export reads "
+            "too (evaluate with it, then give that report as export.report)"
         )
     if config.get("kv_lora_rank"):
         return (

@@ -218,12 +218,20 @@ def test_a_layer_trained_for_sglang_exports_to_the_folder_its_nextn_model_reads(
         ("deepseek_v3", {}, r"trained with the embedding at position 0 zeroed, as vLLM's deepseek_mtp computes it, "
          r"and SGLang's DeepseekV3ForCausalLMNextN reads it: export it for vllm, or train with "
          r"drafter.masks_first_position=false for sglang"),
-        ("glm4_moe", {"masks_first_position": False}, r"SGLang's Glm4MoeForCausalLMNextN feeds them the output after "
-         r"it: .* drafter.feeds_back_normed=true for sglang"),
+        # both ways it trained otherwise than SGLang computes, and both settings, in one line (a newcomer's journey,
+        # 2026-12-07: the line named one, and the retraining met the other); vLLM does not serve it either
+        ("glm4_moe", {"masks_first_position": False}, r"trained later draft steps on the layer's output before its "
+         r"final norm, and SGLang's Glm4MoeForCausalLMNextN feeds them the output after it: no engine serves this "
+         r"drafter as it trained .*, or train with drafter.masks_first_position=false drafter.feeds_back_normed=true "
+         r"for sglang$"),
+        ("glm4_moe", {}, r"zeroed, as vLLM's glm4_moe_mtp computes it, and SGLang's Glm4MoeForCausalLMNextN reads it; "
+         r"and later draft steps .*: export it for vllm, or train with drafter.masks_first_position=false "
+         r"drafter.feeds_back_normed=true for sglang$"),
         ("qwen3_next+2", {"mtp_depths": 2}, r"trained 2 depths, one per draft step, and SGLang's "
          r"Qwen3NextForCausalLMMTP runs one layer at every step"),
         ("ernie4_5_moe", {"masks_first_position": False}, r"position 0 read, and SGLang's Ernie4_5_MoeForCausalLMMTP "
-         r"zeroes it: export it for vllm, or train with drafter.masks_first_position unset for sglang"),
+         r"zeroes it: no engine serves this drafter as it trained .*: train it with drafter.masks_first_position "
+         r"unset and export it for vllm, or train with the recipe's defaults for sglang$"),
         ("exaone_moe", {}, r"draftsmith has not checked SGLang's MTP model for ExaoneMoeForCausalLM \(checked: "
          r"BailingMoeV3, DeepseekV3, "),
     ],
@@ -232,6 +240,20 @@ def test_a_layer_sglang_would_compute_otherwise_is_refused_in_one_line(family, c
     source = source_of(family, targets, tmp_path, **config)
     with pytest.raises(UserError, match=said):
         exporter_for("mtp").build("sglang", source, 3, tmp_path / "sglang")
+
+
+def test_vllms_refusal_of_a_layer_trained_for_sglang_sends_it_there_only_where_sglang_serves_it(targets, tmp_path):
+    """A GLM-4.5 layer trained with position 0 read but fed back before its final norm: vLLM's refusal said "export it
+    for sglang", SGLang's "export it for vllm" (a newcomer's journey, 2026-12-07). Each now says no engine serves it,
+    and names every setting each engine needs."""
+    source = source_of("glm4_moe", targets, tmp_path, masks_first_position=False)
+    with pytest.raises(UserError, match=r"zeroes it in glm4_moe_mtp: no engine serves it as it trained \(SGLang "
+                       r"neither\); train it with drafter.masks_first_position unset for vllm, or with "
+                       r"drafter.masks_first_position=false drafter.feeds_back_normed=true for sglang$"):  # fmt: skip
+        exporter_for("mtp").build("vllm", source, 3, tmp_path / "vllm")
+    served = source_of("glm4_moe", targets, tmp_path / "served", masks_first_position=False, feeds_back_normed=True)
+    with pytest.raises(UserError, match=r"zeroes it in glm4_moe_mtp: export it for sglang; train it with "):
+        exporter_for("mtp").build("vllm", served, 3, tmp_path / "served" / "vllm")
 
 
 def test_sglangs_kernel_and_layer_reading_limits_are_refused_and_a_zeroed_position_no_engine_computes(tmp_path):
@@ -245,8 +267,9 @@ def test_sglangs_kernel_and_layer_reading_limits_are_refused_and_a_zeroed_positi
     drafter = MTP.from_target(MTP.Config(**FOR_SGLANG), model, str(narrow))
     info = TargetInfo(TargetShape.of(model, str(narrow)), model.config.to_dict(), str(narrow), config_json(model))
     with pytest.raises(UserError, match=r"fused_eh_norm\) that refuses hidden_size=64 .*: no engine serves this "
-                       r"drafter as it trained \(drafter.masks_first_position=false, for SGLang alone\): train it with "
-                       r"drafter.masks_first_position unset and export it for vllm$"):  # fmt: skip
+                       r"drafter as it trained \(drafter.masks_first_position=false, which no vLLM release "
+                       r"computes\): train it with drafter.masks_first_position unset and export it for "
+                       r"vllm$"):  # fmt: skip
         exporter_for("mtp").refuse("sglang", drafter, info, "speculators")
     one_layer = TargetInfo(
         info.shape, {**info.config, "hidden_size": 512, "num_hidden_layers": 1}, str(narrow), info.config_json
