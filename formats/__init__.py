@@ -146,6 +146,12 @@ class Exporter:
         is compared once its drafter is built."""
         return {}
 
+    def require_made_for(self, folder: Path, config: dict[str, Any], target_config: dict[str, Any]) -> None:
+        """One line where an engine folder's config.json (`config`) says it was made for another target than the one
+        whose config.json is `target_config` (read without loading it), checked before any data or model loads; the
+        full check comes when it is read. Nothing by default: a format whose config is the drafter's own says nothing
+        of the target's family."""
+
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
     ) -> Drafter:

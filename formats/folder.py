@@ -37,7 +37,7 @@ from draftsmith.heads.base import (
 )
 from draftsmith.recipe import checkpoint_to_read
 from draftsmith.recipe_input import parse_overrides, recipe_advice, split_argv
-from draftsmith.target import TargetShape
+from draftsmith.target import TargetShape, local_target_config
 
 
 def weights_digest(path: str | Path) -> str:
@@ -195,6 +195,9 @@ def require_drafter_folder(cfg) -> None:
         found = engine_folder(folder)
         exporter, config, _ = engine_format(found)
         require_recipes_kind(exporter.kinds[0], recipe.type, what)
+        target_config = local_target_config(cfg.target.name_or_path)
+        if target_config is not None:  # a Hub id's is read as it loads
+            exporter.require_made_for(found, config, target_config)
         ours = architecture(recipe)
         try:  # a config.json edited to values its reader cannot take, as read_folder says it
             fixed = exporter.folder_settings(found, config)

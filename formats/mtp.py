@@ -126,6 +126,9 @@ UNBUILT_KEYS = (
 )  # fmt: skip
 
 
+FAMILY_KEYS = ("model_type", "architectures")  # what says a config.json is another family's target
+
+
 def require_served_config(folder: Path, config: dict, target_model, depths: int) -> None:
     """The folder's config.json is the one vLLM would serve the target's MTP layer from (`served_target_config`), key
     by key where both set one: draftsmith builds the layer from the target's config, vLLM from the folder's."""
@@ -133,7 +136,7 @@ def require_served_config(folder: Path, config: dict, target_model, depths: int)
     ours, theirs = text_fields(config), text_fields(served)
     differ = [
         f"{key}={json.dumps(ours[key])} (the target's: {json.dumps(theirs[key])})"
-        for key in sorted(ours.keys() & theirs.keys())
+        for key in sorted(ours.keys() & theirs.keys(), key=lambda key: (key not in FAMILY_KEYS, key))  # family first
         if key not in UNBUILT_KEYS and ours[key] != theirs[key]
     ]
     if differ:
@@ -301,6 +304,16 @@ class MtpExporter(Exporter):
         layers = decoder_layers(text)
         later = {name for name in tensors if mtp_depths.layer_name(layout, name, layers).startswith(mtp_depths.DEPTHS)}
         return bool(tensors) and all(name.startswith(prefix) or name in outside or name in later for name in tensors)
+
+    def require_made_for(self, folder: Path, config: dict[str, Any], target_config: dict[str, Any]) -> None:
+        ours, theirs = text_fields(config), text_fields(target_config)
+        differ = [f"{key}={json.dumps(ours[key])} (the target's: {json.dumps(theirs[key])})"
+                  for key in FAMILY_KEYS if key in ours and key in theirs and ours[key] != theirs[key]]  # fmt: skip
+        if differ:
+            raise UserError(
+                f"{folder}: its config.json is another family's target than this one's, from which draftsmith builds "
+                f"the MTP layer (vLLM builds it from the folder's): {'; '.join(differ)}"
+            )
 
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]

@@ -278,6 +278,21 @@ def test_a_runs_own_export_warm_starts_it_and_a_null_depth_count_is_the_count_it
         ["train.py", *warm, f"train.init_from={tmp_path / 'export' / 'vllm'}", "drafter.mtp_depths=2"], capsys
     )
     assert "drafter.mtp_depths=2" in assert_one_line_error(other, 2)  # the release ships one: refused at its check
+    # another family's target: refused before any data or model loads, naming its family (it was said after the
+    # target had loaded and the data been tokenized, in nine keys: a newcomer's journey, 2026-12-07)
+    deepseek = write_random_target("deepseek_v3", tmp_path / "deepseek", **SHAPE)
+    write_random_layer(deepseek)
+    unreadable = tmp_path / "unreadable.jsonl"
+    unreadable.write_text("not json\n")
+    other = mtp_args(deepseek, tmp_path / "other", {**small_data, "train": unreadable}, token_cache)
+    line = assert_one_line_error(
+        run_entry_in_process(["train.py", *other, f"train.init_from={tmp_path / 'export' / 'vllm'}"], capsys), 2
+    )
+    assert line.endswith(
+        "its config.json is another family's target than this one's, from which draftsmith builds the MTP layer (vLLM "
+        'builds it from the folder\'s): model_type="glm4_moe" (the target\'s: "deepseek_v3"); architectures='
+        '["Glm4MoeForCausalLM"] (the target\'s: ["DeepseekV3ForCausalLM"])'
+    ), line
 
 
 @pytest.mark.slow
