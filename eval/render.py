@@ -270,12 +270,18 @@ def conclusion(report: dict[str, Any]) -> list[str]:
         ]
     if best["speedup"] > 1.0:  # behind a free method, which drafts without a forward
         row = free[strongest]
-        why = (
-            f"{FREE_FASTER}: {FREE_BASELINES[strongest]}, which drafts with no forward of its own, beats it"
-            if beyond_noise(row, best["speedup"])
-            else f"{FREE_BASELINES[strongest]}'s {row['speedup']:.2f}× is within the timing's noise of it (decode "
-            "more: eval.max_prompts, eval.max_new_tokens)"
-        )
+        if beyond_noise(row, best["speedup"]):
+            why = f"{FREE_FASTER}: {FREE_BASELINES[strongest]}, which drafts with no forward of its own, beats it"
+        elif "speedup_interval" in row and row["speedup_interval"] is None:  # too few timings: no noise was measured
+            why = (
+                f"{FREE_BASELINES[strongest]}'s {row['speedup']:.2f}× is ahead of it, but its timings gave no "
+                "interval to tell that from the timing's noise (decode more: eval.max_prompts, eval.max_new_tokens)"
+            )
+        else:
+            why = (
+                f"{FREE_BASELINES[strongest]}'s {row['speedup']:.2f}× is within the timing's noise of it (decode "
+                "more: eval.max_prompts, eval.max_new_tokens)"
+            )
     elif best["tau"] is not None and best["tau"] <= 1.0:  # nothing saved, so nothing to weigh a cost against
         why = "at τ ≤ 1 it saved no target forward" + (
             ", and it proposed no draft (decode more: eval.max_new_tokens)"
