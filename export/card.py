@@ -144,13 +144,18 @@ def cpu_build_serving(command: str, verified: Optional[dict[str, Any]]) -> list[
     ]
 
 
+# what each engine's serving command calls γ, the draft tokens proposed a step
+GAMMA_KNOBS = {"vllm": "`num_speculative_tokens`", "sglang": "`--speculative-num-steps`"}
+
+
 def gamma_note(engine: str, gamma: int, recommended: Optional[dict[str, Any]]) -> list[str]:
     """The recommended γ (export/gamma.py) when the eval report allowed one."""
     if not recommended:
         return []
     tokens = ", ".join(f"γ={g}: {t}" for g, t in recommended["tokens_per_cycle"].items())
+    knob = GAMMA_KNOBS.get(engine, "`num_speculative_tokens`")  # the engine's own name for γ in its command
     return [
-        f"Recommended `num_speculative_tokens`: **{recommended[engine]}**, from the eval report: expected tokens "
+        f"Recommended γ ({knob}): **{recommended[engine]}**, from the eval report: expected tokens "
         f"per cycle {tokens}; one draft forward costs {recommended['draft_forward_cost']} target forwards there. "
         + (
             f"The command above serves the γ this folder was exported with, {gamma}: export with "
@@ -356,9 +361,10 @@ def training_section(info: dict[str, Any]) -> list[str]:
         recipe = OmegaConf.to_container(OmegaConf.load(run / RECIPE_NAME))
         data, train = recipe.get("data", {}), recipe.get("train", {})
         steps = trained_steps(checkpoint, run)
+        cut = data.get("max_conversations")  # the first N of each file: an operator reads how much it saw
         lines += [
             f"- data: {', '.join(f'`{Path(s).name}`' for s in data.get('train') or [])} (max_length "
-            f"{data.get('max_length')})",
+            f"{data.get('max_length')}" + (f", the first {cut} conversations of each file" if cut else "") + ")",
             f"- optimisation: lr {train.get('lr')}, "
             + (f"{steps} steps" if steps is not None else f"up to {train.get('max_steps')} steps")
             + f", micro-batch {train.get('micro_batch_size')}, seed {train.get('seed')}",

@@ -765,10 +765,13 @@ def test_the_card_states_the_training_of_the_run_that_saved_the_checkpoint(targe
 
     run = tmp_path / "run"
     checkpoint = save_drafter("medusa", target, run / "final")
-    save_recipe(load_recipe(["recipe=medusa", "train.lr=5e-4", "train.max_steps=9", "data.max_length=64"]), run)
+    recipe = ["recipe=medusa", "train.lr=5e-4", "train.max_steps=9", "data.max_length=64", "data.max_conversations=40"]
+    save_recipe(load_recipe(recipe), run)
     (run / "run_summary.json").write_text(json.dumps({"steps": 5, "ended": "patience"}))
     card = (run_export("medusa", checkpoint, tmp_path / "x", target=target)["vllm"] / "README.md").read_text()
-    assert "- optimisation: lr 0.0005, 5 steps, micro-batch" in card and "(max_length 64)" in card
+    assert "- optimisation: lr 0.0005, 5 steps, micro-batch" in card
+    # how much of the data it saw (a newcomer's journey, 2026-12-07: a run of 40 conversations read as the whole file)
+    assert "(max_length 64, the first 40 conversations of each file)" in card
     alone = save_drafter("medusa", target, tmp_path / "alone" / "drafter")
     card = (run_export("medusa", alone, tmp_path / "y", target=target)["vllm"] / "README.md").read_text()
     assert "- data and optimisation: not known" in card
@@ -1297,6 +1300,8 @@ def test_the_recommended_gamma_weighs_expected_tokens_against_measured_draft_cos
     note = gamma_note("vllm", 3, costly)[0]
     assert "**1**" in note and "export with `export.num_speculative_tokens=1` to serve the recommended one" in note
     assert gamma_note("vllm", 1, costly)[0].endswith("The command above serves it.")
+    assert note.startswith("Recommended γ (`num_speculative_tokens`): **1**")  # each engine's own name for it
+    assert gamma_note("sglang", 3, costly)[0].startswith("Recommended γ (`--speculative-num-steps`): **1**")
     # a drafter whose draft forward costs a target forward: 1.8/2 at best, below plain decoding at every γ (the card
     # recommended γ 1 and said nothing of it)
     slower = recommended_gamma(report(3.0, 4.0), both)
