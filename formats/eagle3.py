@@ -349,10 +349,14 @@ class Eagle3Exporter(Exporter):
         # vLLM reads norm_before_fc from its model config's eagle_config first (the draft layer's: a speculators
         # folder's transformer_layer_config), then the top level, in every layout
         eagle_config = layer_config.get("eagle_config") or {}
+        draft_vocab = int(config["draft_vocab_size"])
+        # a whole vocabulary is any draft_vocab_size at least the target's (from_target clips it): said where the
+        # folder's layer config shows it pruned
+        pruned = draft_vocab < int(layer_config.get("vocab_size") or 0)
         return layout.read(folder, config, num_layers) | {
             "norm_before_fc": bool(eagle_config.get("norm_before_fc", config.get("norm_before_fc", False))),
             "sliding_window": layer_window(layer_config),
-            "draft_vocab_size": int(config["draft_vocab_size"]),
+            **({"draft_vocab_size": draft_vocab} if pruned else {}),
         }
 
     def read(
@@ -368,7 +372,9 @@ class Eagle3Exporter(Exporter):
         other = Path(made_for.name_or_path).name.lower() != Path(target.name_or_path).name.lower()
         named = f"it names verifier {made_for.name_or_path!r}, this target is {target.name_or_path!r}"
         num_layers = target.num_hidden_layers
-        settings = self.folder_settings(folder, config, num_layers)
+        settings = self.folder_settings(folder, config, num_layers) | {
+            "draft_vocab_size": int(config["draft_vocab_size"])
+        }
         refuse_unhonoured(folder, layer_config, settings["aux_layers"], num_layers)
         eagle_config = layer_config.get("eagle_config") or {}
         aux = int(layer_config.get("num_aux_hidden_states") or len(settings["aux_layers"]))

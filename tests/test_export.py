@@ -755,6 +755,19 @@ def test_a_checkpoint_of_another_kind_than_the_recipe_s_is_refused_as_a_warm_sta
     line = f"train.init_from={folder} is another architecture than the recipe's: drafter.norm_output=true ({folder} has"
     assert_one_line_error(started, 2, line)
     assert not run.exists() or not any(run.iterdir())
+    # a whole draft vocabulary is any draft_vocab_size at least the target's (the build clips it): not refused early
+    from draftsmith.formats.folder import require_drafter_folder
+
+    whole = save_drafter("eagle3", target, tmp_path / "whole-ckpt", draft_vocab_size=target.config.vocab_size)
+    unpruned = run_export("eagle3", whole, tmp_path / "whole-exported", target=target)["vllm"]
+    for size in (target.config.vocab_size, 10**6):
+        require_drafter_folder(
+            load_recipe(["recipe=eagle3", f"train.init_from={unpruned}", f"drafter.draft_vocab_size={size}"])
+        )
+    with pytest.raises(UserError, match=r"drafter.draft_vocab_size=1024 \(.* has 2048\)"):  # a pruned one is compared
+        require_drafter_folder(
+            load_recipe(["recipe=eagle3", f"train.init_from={folder}", "drafter.draft_vocab_size=1024"])
+        )
 
 
 def test_the_card_states_the_training_of_the_run_that_saved_the_checkpoint(target, tmp_path):
