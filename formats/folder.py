@@ -231,7 +231,9 @@ def require_recipes_kind(kind: Optional[str], recipe_kind: str, what: str, role:
     """The drafter `what` holds is of the kind the recipe trains (`role` "is for": the kind a read-only
     command's recipe names); None: not known yet (an engine folder, read as its format's kind)."""
     if kind not in (None, recipe_kind):
-        article = "an" if kind[0] in "aeiou" else "a"
+        # a name without vowels is said letter by letter ("an mtp drafter"): the first letter's name decides
+        initialism = not any(letter in "aeiou" for letter in kind.lower())
+        article = "an" if kind[0].lower() in ("fhlmnrsx" if initialism else "aeiou") else "a"
         raise UserError(
             f"{what} holds {article} {kind} drafter, the recipe {role} {recipe_kind}: {recipe_advice(kind)}"
         )

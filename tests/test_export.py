@@ -726,6 +726,11 @@ def test_a_checkpoint_of_another_kind_than_the_recipe_s_is_refused_as_a_warm_sta
     drafter = eagle3.from_target(eagle3.Config(aux_layers=[0, 1, 2]), target, str(REFERENCE_TARGET))
     with pytest.raises(UserError, match="holds a medusa drafter, the recipe trains eagle3: pass recipe=medusa$"):
         warm_start(checkpoint, drafter, target)
+    from draftsmith.formats.folder import require_recipes_kind
+
+    for kind, said in (("mtp", "an mtp"), ("eagle3", "an eagle3"), ("dflash", "a dflash")):  # "a mtp" was said
+        with pytest.raises(UserError, match=f"^x holds {said} drafter, the recipe trains medusa"):
+            require_recipes_kind(kind, "medusa", "x")
     unreadable = tmp_path / "train.jsonl"  # read only when the data loads: the kind is refused before that
     unreadable.write_text("not json\n")
     run = tmp_path / "run"
