@@ -184,10 +184,11 @@ class Drafter(nn.Module):
 
     # -- training -------------------------------------------------------------------------------
     def prepare(self, dataset, vocab_from=None) -> None:
-        """Called once on every rank before training with the training set (rows holding at least
-        `input_ids` and `loss_mask`) and data.draft_vocab's rows or None: fit what depends on the data rather
-        than on the target (EAGLE-3's draft vocabulary). What it fits must live in the state dict (so a checkpoint and a
-        resumed run carry it); what decoding reports about it goes to `learned`."""
+        """Called once on every rank before a fresh run trains (not a resumed or warm-started one) with the training
+        set (rows holding at least `input_ids` and `loss_mask`) and data.draft_vocab's rows or None: fit what depends
+        on the data rather than on the target (EAGLE-3's draft vocabulary). What it fits must live in the state dict
+        (so a checkpoint and a resumed run carry it); what decoding reports about it goes to `learned` (a resumed run
+        restores it from its checkpoint's config)."""
 
     @classmethod
     def picks_draft_vocab(cls, config, target: Optional[TargetShape]) -> bool:
