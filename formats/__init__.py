@@ -13,7 +13,7 @@ releases that serve each method. The layers: draftsmith (core) <- heads <- forma
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Optional
@@ -135,8 +135,9 @@ class Exporter:
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         raise NotImplementedError
 
-    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        """Whether an engine folder (its config.json and weights) is in one of this exporter's formats."""
+    def recognises(self, config: dict[str, Any], names: Collection[str]) -> bool:
+        """Whether an engine folder (its config.json and the names of its weights) is in one of this exporter's
+        formats."""
         raise NotImplementedError
 
     def folder_settings(self, folder: Path, config: dict[str, Any], num_layers: Optional[int] = None) -> dict[str, Any]:

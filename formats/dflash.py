@@ -30,6 +30,7 @@ these conventions, each checked here and recorded in draftsmith_export.json:
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Optional
 
@@ -235,10 +236,10 @@ class DFlashExporter(Exporter):
             cpu_build_limit=context_key_norms_limit(drafter) or mixed_kinds_limit(drafter),
         )  # fmt: skip
 
-    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+    def recognises(self, config: dict[str, Any], names: Collection[str]) -> bool:
         layouts = {"DFlashDraftModel", dflash_laguna.ARCHITECTURE}
         vllms = "dflash_config" in config and bool(layouts & set(config.get("architectures", [])))
-        return vllms or encoder_layout(config, tensors)
+        return vllms or encoder_layout(config, names)
 
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]

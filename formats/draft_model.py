@@ -14,7 +14,7 @@ serve another model than transformers builds (check_engine_only_keys).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
@@ -194,14 +194,14 @@ class DraftModelExporter(Exporter):
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         return replace(self.repo(source, "sglang", SGLANG_SERVE, "STANDALONE"), revision_flag=SGLANG_REVISION_FLAG)
 
-    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+    def recognises(self, config: dict[str, Any], names: Collection[str]) -> bool:
         # a model of its own that reads tokens alone: no EAGLE fc, no width of another model it reads states of; its
         # first decoder layer among its tensors (an MTP folder holds layers past the target's only, and may hold an
         # embedding of its own: Dots3-Note's)
         return (
-            any(name.endswith("embed_tokens.weight") for name in tensors)
-            and any(FIRST_LAYER.search(name) for name in tensors)
-            and "fc.weight" not in tensors
+            any(name.endswith("embed_tokens.weight") for name in names)
+            and any(FIRST_LAYER.search(name) for name in names)
+            and "fc.weight" not in names
             and "backbone_hidden_size" not in config
         )
 

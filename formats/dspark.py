@@ -24,6 +24,7 @@ an export checked with the CPU build is refused in one line before the engine st
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,7 @@ class DSparkExporter(DFlashExporter):
             cpu_build_limit=CPU_BUILD_LIMIT,
         )  # fmt: skip
 
-    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+    def recognises(self, config: dict[str, Any], names: Collection[str]) -> bool:
         layouts = {ARCHITECTURE, dspark_gemma4.ARCHITECTURE}
         return bool(layouts & set(config.get("architectures", []))) and "markov_rank" in config
 

@@ -13,6 +13,7 @@ vLLM's fc has no bias and skips an `fc.bias` tensor without an error, so a check
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +131,7 @@ class EagleExporter(Exporter):
             revision_flag=SGLANG_REVISION_FLAG,
         )
 
-    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+    def recognises(self, config: dict[str, Any], names: Collection[str]) -> bool:
         return bool({"EagleLlamaForCausalLM", "LlamaForCausalLMEagle"} & set(config.get("architectures", [])))
 
     def read(

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Optional
@@ -340,7 +340,7 @@ class Eagle3Exporter(Exporter):
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         return SGLANG.write(source, gamma)
 
-    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+    def recognises(self, config: dict[str, Any], names: Collection[str]) -> bool:
         return any(layout.recognises(config) for layout in LAYOUTS)
 
     def folder_settings(self, folder: Path, config: dict[str, Any], num_layers: Optional[int] = None) -> dict[str, Any]:

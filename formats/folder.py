@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from draftsmith.errors import UserError, one_line
@@ -59,7 +59,11 @@ def export_info_path(folder: Path) -> Optional[Path]:
 
 def read_folder(folder: Path, target):
     """The draftsmith drafter an engine folder holds, attached to `target`."""
-    exporter, config, tensors = engine_format(folder)
+    exporter, config, _ = engine_format(folder)
+    try:
+        tensors = load_file(str(folder / WEIGHTS_NAME))
+    except (SafetensorError, OSError) as err:  # a file cut short past its header
+        raise UserError(f"{folder / WEIGHTS_NAME}: corrupt weights file ({one_line(err)})") from None
     info_path = export_info_path(folder)
     info = read_json(info_path) if info_path else {}
     try:  # a folder in the format, with a config.json edited to values its reader cannot take
@@ -77,18 +81,20 @@ def read_folder(folder: Path, target):
     return drafter.eval()
 
 
-def engine_format(folder: Path) -> tuple[Exporter, dict, dict]:
-    """The format registry's entry that reads an engine folder, with its config.json and weights."""
+def engine_format(folder: Path) -> tuple[Exporter, dict, frozenset[str]]:
+    """The format registry's entry that reads an engine folder, with its config.json and its weights' names (the
+    file's header alone: a warm start's checks and its kind, read before anything loads, need no tensor)."""
     config = read_json(folder / CONFIG_NAME)
     if not isinstance(config, dict):
         raise UserError(f"{folder / CONFIG_NAME}: corrupt engine config (JSON {type(config).__name__}, not an object)")
     require_readable(folder / WEIGHTS_NAME)  # safetensors calls a file it may not read missing
     try:
-        tensors = load_file(str(folder / WEIGHTS_NAME))
+        with safe_open(str(folder / WEIGHTS_NAME), "pt") as weights:
+            names = frozenset(weights.keys())
     except (SafetensorError, OSError) as err:
         raise UserError(f"{folder / WEIGHTS_NAME}: corrupt weights file ({one_line(err)})") from None
     try:  # a format's fields of another type (`architectures: null`) are no format's
-        matches = [exporter for exporter in dict.fromkeys(EXPORTERS.values()) if exporter.recognises(config, tensors)]
+        matches = [exporter for exporter in dict.fromkeys(EXPORTERS.values()) if exporter.recognises(config, names)]
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise UserError(f"{folder / CONFIG_NAME}: corrupt engine config ({one_line(err, with_type=True)})") from None
     if len(matches) != 1:
@@ -100,7 +106,7 @@ def engine_format(folder: Path) -> tuple[Exporter, dict, dict]:
                 f"{', '.join(read)}"
             )
         raise UserError(f"{folder} is not a drafter folder draftsmith can read ({said})")
-    return matches[0], config, tensors
+    return matches[0], config, names
 
 
 def checkpoint_kind(path: Path) -> Optional[str]:
@@ -399,7 +405,6 @@ def require_weights_as_configured(path: Path) -> None:
     weights (more heads) was refused only once the target's weights had loaded, minutes at scale. Tensors the file
     holds beyond them are the target's modules a drafter adapts (Medusa-2's LoRA), which load_drafter checks once it
     has the target. An engine folder is its format's to read."""
-    from safetensors import safe_open
 
     if checkpoint_kind(path) is None:
         return

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -178,7 +179,7 @@ class AssistantExporter(Exporter):
             ),
         )  # fmt: skip
 
-    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+    def recognises(self, config: dict[str, Any], names: Collection[str]) -> bool:
         return config.get("model_type") in ASSISTANTS.values()
 
     def read(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,7 @@ class MedusaExporter(Exporter):
         }
         return EngineRepo("vllm", config, tensors, medusa_expected(config), VLLM_SERVE, conventions)
 
-    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+    def recognises(self, config: dict[str, Any], names: Collection[str]) -> bool:
         return config.get("model_type") == "medusa" or "MedusaModel" in config.get("architectures", [])
 
     def read(
@@ -163,7 +164,7 @@ class Medusa2Exporter(MedusaExporter):
             weights_dir=HEADS_DIR,
         )
 
-    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+    def recognises(self, config: dict[str, Any], names: Collection[str]) -> bool:
         return False  # a vLLM Medusa folder is MedusaExporter's to read, whichever kind wrote it
 
 

@@ -29,7 +29,7 @@ SGLang serves the layer as its NEXTN algorithm from the same folder, one depth, 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
@@ -294,7 +294,7 @@ class MtpExporter(Exporter):
             options=options,
         )
 
-    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+    def recognises(self, config: dict[str, Any], names: Collection[str]) -> bool:
         layout = LAYOUTS.get((config.get("architectures") or [""])[0])
         text = text_fields(config)
         if layout is None or not {"num_hidden_layers", "model_type"} & set(text):
@@ -302,8 +302,8 @@ class MtpExporter(Exporter):
         prefix = layout.prefix(decoder_layers(text))
         outside = {layout.own_embedding, *(name for _, name in layout.outside)}
         layers = decoder_layers(text)
-        later = {name for name in tensors if mtp_depths.layer_name(layout, name, layers).startswith(mtp_depths.DEPTHS)}
-        return bool(tensors) and all(name.startswith(prefix) or name in outside or name in later for name in tensors)
+        later = {name for name in names if mtp_depths.layer_name(layout, name, layers).startswith(mtp_depths.DEPTHS)}
+        return bool(names) and all(name.startswith(prefix) or name in outside or name in later for name in names)
 
     def require_made_for(self, folder: Path, config: dict[str, Any], target_config: dict[str, Any]) -> None:
         ours, theirs = text_fields(config), text_fields(target_config)
