@@ -73,6 +73,7 @@ SERVING_ENGINES = {
     ),
 }
 ENGINE_NAMES = {key: engine.name for key, engine in SERVING_ENGINES.items()}  # export.engines value -> its name
+EVAL_ONLY = "draftsmith eval only"  # what an eval method's served_by says where no engine serves it
 # export.vllm_format's values, the layouts of a vLLM folder: the first (speculators' config) is the default
 VLLM_FORMATS = ("speculators", "native")
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from draftsmith.engines import ENGINE_NAMES, NGRAM, SUFFIX, SuffixSettings, suffix_decoding_installed
+from draftsmith.engines import ENGINE_NAMES, EVAL_ONLY, NGRAM, SUFFIX, SuffixSettings, suffix_decoding_installed
 from draftsmith.errors import UserError
 from draftsmith.eval.counts import Generation
 from draftsmith.eval.loop import generate_batch
@@ -29,7 +29,6 @@ from draftsmith.target import config_json, loaded_config
 
 log = logging.getLogger("draftsmith.eval")
 
-EVAL_ONLY = "draftsmith eval only"  # a method no engine serves for this drafter and target
 # Engines that draft their argmax at any temperature and verify as if q were one-hot: SGLang's EAGLE worker, and
 # STANDALONE's built on it, take the top-k of the draft's probabilities. At temperature > 0 they accept the drafts
 # of a drafter that samples its own (Drafter.SAMPLES_DRAFTS) otherwise than the eval measured.

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from draftsmith.engines import NGRAM, SUFFIX
+from draftsmith.engines import EVAL_ONLY, NGRAM, SUFFIX
 from draftsmith.eval.counts import MIN_TIMED_BATCHES
 from draftsmith.eval.prompts import ALL
 from draftsmith.files import save_figure_atomic, write_text_atomic
@@ -204,15 +204,22 @@ def disturbed_timing(report: dict[str, Any]) -> Optional[str]:
     return f"plain decoding ran at {rates[slow]:.1f} tokens/s on {slow} and {rates[fast]:.1f} on {fast}"
 
 
-def conclusion(report: dict[str, Any]) -> list[str]:
+def conclusion(report: dict[str, Any], engine: Optional[str] = None) -> list[str]:
     """The report's last lines: over all domains, whether the trained drafter beat plain decoding and the
     strongest free baseline (n-gram lookup, suffix decoding: no training, no draft forward) in wall-clock
-    time here, and, when it did not, what in this report accounts for it."""
-    rows = {**report["baselines"]["all"], **report["domains"]["all"]}
-    drafted = {name: rows[name] for name, method in report["methods"].items() if method.get("group") == "drafter"}
+    time here, and, when it did not, what in this report accounts for it. With `engine` (its name, as a method's
+    served_by names it: an export's card) only the ways of drafting that engine serves are weighed; without, the best
+    of all, named as no engine's where none serves it (a DDTree)."""
+    rows, methods = {**report["baselines"]["all"], **report["domains"]["all"]}, report["methods"]
+    drafted = {
+        name: rows[name]
+        for name, method in methods.items()
+        if method.get("group") == "drafter" and (engine is None or engine in method.get("served_by", ""))
+    }
     if not drafted or any(row["speedup"] is None for row in drafted.values()):
         return []
     name, best = max(drafted.items(), key=lambda item: item[1]["speedup"])
+    name += f" ({EVAL_ONLY})" if methods[name].get("served_by") == EVAL_ONLY else ""
     free = {key: rows[key] for key in FREE_BASELINES if key in rows and rows[key]["speedup"] is not None}
     strongest = max(free, key=lambda key: free[key]["speedup"], default=None)
     versus = "".join(

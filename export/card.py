@@ -94,7 +94,7 @@ def write_card(
         *([f"Engine builds: {info['vllm_builds']}.", ""] if info.get("vllm_builds") else []),
         *([MONITOR_FLAG, ""] if engine == "vllm" else []),
         *gamma_note(engine, gamma, info.get("recommended_num_speculative_tokens")),
-        *acceptance_section(report),
+        *acceptance_section(report, SERVING_ENGINES[engine].name),
         *engine_section(info.get("verified")),
         *batch_section(info.get("batch_schedule")),
         *training_section(info),
@@ -223,7 +223,7 @@ def found_identical(verified: dict[str, Any]) -> str:
     )
 
 
-def acceptance_section(report: Optional[dict[str, Any]]) -> list[str]:
+def acceptance_section(report: Optional[dict[str, Any]], engine_name: str) -> list[str]:
     if report is None:
         return [
             "## Acceptance",
@@ -262,7 +262,8 @@ def acceptance_section(report: Optional[dict[str, Any]]) -> list[str]:
             served_by = methods.get(method, {}).get("served_by", "–")  # reports before served_by: unknown
             cells = [domain, method, served_by, tau, alpha, per_position, speedup_cell(row, method), lossless]
             lines.append(f"| {' | '.join(cells)} |")
-    return [*lines, "", *conclusion(report)]  # the eval's own verdict on the drafter against the free methods
+    # the eval's own verdict on the drafter against the free methods, over the ways of drafting this engine serves
+    return [*lines, "", *conclusion(report, engine_name)]
 
 
 def engine_section(verified: Optional[dict[str, Any]]) -> list[str]:

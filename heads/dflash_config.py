@@ -67,11 +67,11 @@ class DFlashBlockConfig(DrafterConfig):
             raise UserError(
                 f"drafter.block_size must be >= 2 (the anchor and at least one mask; got {self.block_size})"
             )
-        if self.anchors < 1 or self.tree_topk < 1 or self.loss_decay <= 0:
-            raise UserError(
-                f"drafter.anchors and tree_topk must be >= 1 and loss_decay > 0 (got {self.anchors}, {self.tree_topk}, "
-                f"{self.loss_decay})"
-            )
+        wrong = [f"drafter.{key} must be >= 1 (got {getattr(self, key)})" for key in ("anchors", "tree_topk")
+                 if getattr(self, key) < 1]  # fmt: skip
+        wrong += [f"drafter.loss_decay must be > 0 (got {self.loss_decay})"] if self.loss_decay <= 0 else []
+        if wrong:
+            raise UserError("; ".join(wrong))
         if self.loss not in LOSSES:
             raise UserError(f"drafter.loss={self.loss!r} is not one of {', '.join(LOSSES)}")
         if self.loss_weighting not in WEIGHTINGS:
@@ -116,6 +116,13 @@ class DFlashConfig(DFlashBlockConfig):
     # sliding windows) and weights it keeps; num_layers, target_layers, block_size and mask_token_id unset or the
     # folder's. It sets the layers' shape, so a resume or a warm start (train.init_from) names the same folder.
     released_drafter: Optional[str] = None
+
+    def check_read(self) -> None:
+        super().check_read()
+        if self.released_drafter:  # what a local folder fixes, before any data loads
+            from draftsmith.heads.dflash_released import check_local_release
+
+            check_local_release(self)
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         super().check(target)

@@ -15,11 +15,14 @@ config as released plus a `dflash_config` (its settings again, where vLLM's mode
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Collection
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from draftsmith.errors import UserError, one_line
@@ -29,6 +32,7 @@ from draftsmith.heads.eagle_base import decoder_spec
 from draftsmith.hub_cache import hub_folder
 from draftsmith.model_files import prefix_renamed
 
+log = logging.getLogger(__name__)
 ENCODER_NAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}  # released -> draftsmith's
 LAYOUT = "released_layout"  # the decoder's key holding an encoder-layout folder's config, for the export
 NEEDED_SHAPE = ("hidden_size", "intermediate_size", "num_attention_heads")  # the rest has defaults
@@ -41,7 +45,7 @@ FAMILIES = ("llama", "qwen3")  # layer families computing the released layers' f
 UNREAD = ("use_swa", "swa_window_size", "attention_sink_bias", "attention_value_scale")
 
 
-def encoder_layout(config: dict[str, Any], tensors) -> bool:
+def encoder_layout(config: dict[str, Any], tensors: Collection[str]) -> bool:
     """Whether a folder (its config.json, its tensors' names) is in the encoder layout (module docstring)."""
     return "encoder.fc.weight" in tensors and all(
         key in config for key in ("target_layer_ids", "block_size", "mask_token_id")
@@ -108,12 +112,8 @@ def unread_function(config: dict[str, Any], encoder: bool) -> Optional[str]:
 
 
 def released_layers(folder, config: dict[str, Any], target_config, family: str, num_layers: int) -> dict[str, Any]:
-    """The draft layers' spec (heads/eagle_base.py `decoder_spec`) at the released folder's own shape."""
-    if family not in FAMILIES:
-        raise UserError(
-            f"drafter.layer_family={family}: a released DFlash drafter's layers are Llama's function with q/k norms; "
-            f"set drafter.layer_family to {' or '.join(FAMILIES)}"
-        )
+    """The draft layers' spec (heads/eagle_base.py `decoder_spec`) at the released folder's own shape (`family` one
+    of FAMILIES: `released_settings`)."""
     rope = config.get("rope_parameters")
     if rope is None and config.get("rope_theta") is not None:
         rope = {"rope_type": "default", "rope_theta": config["rope_theta"]}
@@ -128,12 +128,13 @@ def released_layers(folder, config: dict[str, Any], target_config, family: str, 
     return spec
 
 
-def start_from_release(cls, config, target_model, shape):
-    """A drafter of class `cls` (DFlash) built as the released folder `config.released_drafter` is, with its
-    weights: the recipe's settings the folder fixes unset (the kind's defaults) or the folder's, else one line."""
+def released_settings(config, released: dict[str, Any], names: Collection[str]) -> dict[str, Any]:
+    """The settings the released folder `config.released_drafter` fixes, from its config.json (`released`) and its
+    tensors' `names`: the recipe's must be unset (the kind's defaults) or the folder's, its layers what draftsmith's
+    compute, else one line. Read before any data loads where the folder is local (the kind's recipe check), and
+    again as the drafter is built."""
     folder = config.released_drafter
-    released, tensors = open_release(folder)
-    encoder = encoder_layout(released, tensors)
+    encoder = encoder_layout(released, names)
     if not encoder and "dflash_config" not in released:
         raise UserError(
             f"drafter.released_drafter={folder} is no released DFlash drafter (no dflash_config, no encoder.fc)"
@@ -141,6 +142,11 @@ def start_from_release(cls, config, target_model, shape):
     unread = unread_function(released, encoder)
     if unread:
         raise UserError(f"drafter.released_drafter={folder}: its layers compute what draftsmith does not: {unread}")
+    if config.layer_family not in FAMILIES:
+        raise UserError(
+            f"drafter.layer_family={config.layer_family}: a released DFlash drafter's layers are Llama's function "
+            f"with q/k norms; set drafter.layer_family to {' or '.join(FAMILIES)}"
+        )
     own = folder_settings(folder, released) | {"qk_norm": True}  # every released layer norms queries and keys
     default = type(config)()
     differ = [
@@ -150,6 +156,35 @@ def start_from_release(cls, config, target_model, shape):
     ]
     if differ:
         raise UserError(f"{'; '.join(differ)}: leave those unset, the released drafter's are its own")
+    return own
+
+
+def check_local_release(config) -> None:
+    """`released_settings` of a released drafter in a local folder, from its config.json and its weights' names (the
+    safetensors header), before any data or model loads; a Hub id's files are read as the drafter is built."""
+    folder = Path(config.released_drafter).expanduser()
+    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+        return  # a Hub id, or a folder open_release names what it lacks in
+    try:
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as weights:
+            names = set(weights.keys())
+        released = read_json(folder / "config.json")
+    except (SafetensorError, OSError, ValueError):
+        return  # open_release says what of it cannot be read, in its own line
+    released_settings(config, released, names)
+
+
+def start_from_release(cls, config, target_model, shape):
+    """A drafter of class `cls` (DFlash) built as the released folder `config.released_drafter` is, with its
+    weights: the recipe's settings the folder fixes unset (the kind's defaults) or the folder's, else one line."""
+    folder = config.released_drafter
+    released, tensors = open_release(folder)
+    encoder = encoder_layout(released, tensors)
+    own = released_settings(config, released, tensors)
+    taken = [f"{key} {value} (for the recipe's {getattr(config, key)}, the kind's default)"
+             for key, value in own.items() if getattr(config, key) != value]  # fmt: skip
+    if taken:  # the recipe's unset ones: recipe.yaml keeps the recipe as given, final/config.json what trains
+        log.info("drafter.released_drafter=%s sets %s: the released drafter's own", folder, ", ".join(taken))
     hidden = released.get("hidden_size")
     if hidden != shape.hidden_size:
         raise UserError(

@@ -383,7 +383,9 @@ def test_target_layers_default_and_bad_values():
     for bad, fragment in [
         ({"block_size": 1}, "block_size must be >= 2"),
         ({"loss": "kl"}, "drafter.loss='kl'"),
-        ({"anchors": 0}, "anchors"),
+        ({"anchors": 0}, r"^drafter.anchors must be >= 1 \(got 0\)$"),
+        ({"tree_topk": 0}, r"^drafter.tree_topk must be >= 1 \(got 0\)$"),  # each key its own line, not three lumped
+        ({"loss_decay": 0.0}, r"^drafter.loss_decay must be > 0 \(got 0.0\)$"),
     ]:
         with pytest.raises(UserError, match=fragment):
             DFlash.Config(target_layers=[0, 1], **bad).check()

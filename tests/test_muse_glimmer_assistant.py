@@ -18,6 +18,8 @@ served by vLLM-CPU end to end (the Muse Glimmer target's vLLM model imports torc
 from __future__ import annotations
 
 import json
+import logging
+import re
 import shutil
 
 import pytest
@@ -162,6 +164,34 @@ def test_the_assistants_folder_is_read_tensor_for_tensor_and_what_differs_is_ref
     refused({"layer_types": ["chunked_attention", "full_attention"]}, "layer_types ['chunked_attention']")
     with pytest.raises(UserError, match="unknown recipe key 'drafter.released_drafter'"):  # a DFlash key only
         load_recipe(["recipe=dspark", f"drafter.released_drafter={assistant}"])
+
+
+def test_what_a_local_released_folder_fixes_is_refused_as_the_recipe_is_checked(release, tmp_path, caplog):
+    """A DFlash journey's settings the folder fixes (mask token, block, layers, norms, layer family; a folder that is
+    no released drafter) were refused after the data was tokenized: each is one line as the recipe loads, with
+    unreadable data; the recipe's default-valued setting the folder replaces is said as the drafter is built."""
+    folder, target, assistant = release
+    recipe = ["recipe=dflash", f"target.name_or_path={folder}", "data.train=[/no/such/data.jsonl]"]
+    for setting, fragment in [
+        ("drafter.mask_token_id=7", "drafter.mask_token_id=7 ("), ("drafter.block_size=4", "drafter.block_size=4 ("),
+        ("drafter.num_layers=3", "drafter.num_layers=3 ("), ("drafter.qk_norm=false", "drafter.qk_norm=False ("),
+        ("drafter.layer_family=laguna", "drafter.layer_family=laguna: a released DFlash drafter's layers are"),
+    ]:  # fmt: skip
+        with pytest.raises(UserError, match=re.escape(fragment)):
+            load_recipe([*recipe, f"drafter.released_drafter={assistant}", setting])
+    with pytest.raises(UserError, match="is no released DFlash drafter"):
+        load_recipe([*recipe, f"drafter.released_drafter={folder}"])
+    one_layer = tmp_path / "one_layer"
+    shutil.copytree(assistant, one_layer)
+    config = json.loads((one_layer / "config.json").read_text())
+    config |= {"num_hidden_layers": 1, "layer_types": config.get("layer_types", ["full_attention"])[:1]}
+    (one_layer / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(one_layer / "model.safetensors"))
+    save_file({name: t for name, t in tensors.items() if ".1." not in name}, str(one_layer / "model.safetensors"))
+    with caplog.at_level(logging.INFO, "draftsmith.heads.dflash_released"):
+        drafter = DFLASH.from_target(DFLASH.Config(released_drafter=str(one_layer)), target, str(folder))
+    assert drafter.config.num_layers == 1
+    assert f"released_drafter={one_layer} sets num_layers 1 (for the recipe's 2, the kind's default)" in caplog.text
 
 
 def test_a_released_drafter_named_by_its_hub_id_starts_from_the_hub_caches_copy(release, tmp_path, monkeypatch):

@@ -167,6 +167,25 @@ def test_a_speed_up_the_prompts_timings_do_not_carry_is_no_win(tau, speedup, int
     assert says in line
 
 
+def test_a_verdict_resting_on_a_tree_no_engine_serves_says_so_and_an_engines_card_weighs_what_it_serves():
+    """A DFlash journey's vLLM card repeated the eval's "the drafter's best, tree, runs at ..." although vLLM serves
+    the chain alone: the report names such a best as draftsmith's eval's only, and the card's verdict is the chain's."""
+    from draftsmith.eval.render import conclusion
+    from draftsmith.export.card import acceptance_section
+
+    report = report_rows((1.3, 0.9), (1.0, 0.8), (1.0, 0.8))
+    report["domains"]["all"]["tree"] = {"tau": 2.0, "speedup": 1.4, "draft_forwards_per_cycle": 1.0}
+    report["methods"]["chain"]["served_by"] = "vLLM"
+    report["methods"]["tree"] = {"group": "drafter", "served_by": "draftsmith eval only", "nodes": 16}
+    assert "the drafter's best, tree (draftsmith eval only), runs at 1.40×" in conclusion(report)[0]
+    report.update(temperature=0.0, max_new_tokens=32, dtype="float32", cpu_threads=2)
+    report["methods"]["chain"]["gamma"] = 3
+    for row in (*report["domains"]["all"].values(), *report["baselines"]["all"].values()):
+        row.update(alpha=0.5, per_position=[0.5], lossless=True)
+    card = "\n".join(acceptance_section(report, "vLLM"))
+    assert "the drafter's best, chain, runs at 0.90×" in card and "tree (draftsmith eval only), runs" not in card
+
+
 def test_the_speed_up_interval_pairs_the_prompts_and_widens_where_one_prompt_carries_it():
     from draftsmith.eval.counts import Counts, speedup_interval
 
@@ -244,7 +263,7 @@ def test_the_card_shows_the_free_methods_and_each_speed_up_with_the_evals_verdic
     report["methods"]["suffix"]["served_by"] = "vLLM"
     for row in (*report["domains"]["all"].values(), *report["baselines"]["all"].values()):
         row.update(alpha=0.5, per_position=[0.5], lossless=True)
-    card = "\n".join(acceptance_section(report))
+    card = "\n".join(acceptance_section(report, "vLLM"))
     assert "| all | chain | vLLM, SGLang | 1.90 | 0.50 | 0.50 | 1.30× | yes |" in card
     assert "| all | suffix | vLLM | 2.40 | 0.50 | 0.50 | 1.60× (1.40–1.80) | yes |" in card
     assert "| all | ngram | – | 1.40 | 0.50 | 0.50 | 1.20× | yes |" in card
