@@ -211,11 +211,8 @@ def conclusion(report: dict[str, Any], engine: Optional[str] = None) -> list[str
     served_by names it: an export's card) only the ways of drafting that engine serves are weighed; without, the best
     of all, named as no engine's where none serves it (a DDTree)."""
     rows, methods = {**report["baselines"]["all"], **report["domains"]["all"]}, report["methods"]
-    drafted = {
-        name: rows[name]
-        for name, method in methods.items()
-        if method.get("group") == "drafter" and (engine is None or engine in method.get("served_by", ""))
-    }
+    drafted = {name: rows[name] for name, method in methods.items() if method.get("group") == "drafter"
+               and (engine is None or engine in method.get("served_by", ""))}  # fmt: skip
     if not drafted or any(row["speedup"] is None for row in drafted.values()):
         return []
     name, best = max(drafted.items(), key=lambda item: item[1]["speedup"])
