@@ -94,6 +94,12 @@ def _fmt(value: Optional[float]) -> str:
     return "–" if value is None else f"{value:.2f}"
 
 
+def per_position_cell(row: dict[str, Any]) -> str:
+    """A row's acceptance per draft position, its first 8 (suffix decoding's 24 would crowd a table)."""
+    rates = row["per_position"]
+    return " / ".join(_fmt(p) for p in rates[:8]) + (" / …" if len(rates) > 8 else "") if rates else "–"
+
+
 def fewer_prompts(report: dict[str, Any]) -> str:
     """Where no domain held batch_size prompts, the most decoded together (a domain's prompts form its batches)."""
     counts = [row["prompts"] for domain, rows in report["domains"].items() if domain != "all" for row in rows.values()]
@@ -133,13 +139,10 @@ def render_markdown(report: dict[str, Any]) -> str:
                 lossless += f" ({row['near_ties']} near tie{'s' if row['near_ties'] > 1 else ''})"
             if row.get("same_output") is not None:  # another model than the verifier: how often it agrees
                 lossless = f"{row['same_output']:.0%} same"
-            shown = row["per_position"][:8]  # suffix decoding's 24 positions would crowd the table
-            per_position = " / ".join(_fmt(p) for p in shown) + (" / …" if len(row["per_position"]) > 8 else "")
-            per_position = per_position or "–"
             served_by = methods[name].get("served_by", "–")
             lines.append(
                 f"| {cell(domain)} | {name} | {served_by} | {row['prompts']} | {_fmt(row['tau'])} "
-                f"| {_fmt(row['alpha'])} | {per_position} | {_fmt(row['draft_forwards_per_cycle'])} "
+                f"| {_fmt(row['alpha'])} | {per_position_cell(row)} | {_fmt(row['draft_forwards_per_cycle'])} "
                 f"| {row['tokens_per_s']:.1f} | {speedup_cell(row, name)} | {lossless} |"
             )
     lines += [
@@ -189,8 +192,7 @@ MIN_TIMED_S = 0.2  # a domain's plain decoding timed for less than this says lit
 
 
 def disturbed_timing(report: dict[str, Any]) -> Optional[str]:
-    """What says the report's timings were disturbed (plain decoding's rates across domains DISTURBED_SPREAD apart),
-    or None."""
+    """What says the timings were disturbed (plain decoding's domains' rates DISTURBED_SPREAD apart), or None."""
     rates = {
         domain: rows["plain"]["tokens_per_s"]
         for domain, rows in report["baselines"].items()
@@ -420,8 +422,7 @@ def plot_acceptance(report: dict[str, Any], path: Path) -> None:
 
 
 def plot_batch_sweep(report: dict[str, Any], path: Path) -> None:
-    """Speedup over plain decoding at the same batch size against the batch size, one panel per
-    domain (the aggregate first), one line per drafting method."""
+    """Speed-up over plain decoding at each batch size: a panel per domain (all first), a line per method."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from draftsmith.engines import SERVING_ENGINES
 from draftsmith.eval.partings import NEAR_TIE_UNITS
-from draftsmith.eval.render import FREE_BASELINES, conclusion, speedup_cell
+from draftsmith.eval.render import FREE_BASELINES, conclusion, per_position_cell, speedup_cell
 from draftsmith.formats.repo import (
     TRUST_REMOTE_CODE_FLAG,
     VLLM_CPU_PYTHON,
@@ -255,12 +255,11 @@ def acceptance_section(report: Optional[dict[str, Any]], engine_name: str) -> li
     for domain in report["domains"]:
         free = {k: v for k, v in report["baselines"][domain].items() if k in FREE_BASELINES}
         for method, row in {**report["domains"][domain], **free}.items():
-            per_position = " / ".join("–" if p is None else f"{p:.2f}" for p in row["per_position"]) or "–"
             lossless = {True: "yes", False: "**no**", None: "n/a"}[row["lossless"]]
             tau = "–" if row["tau"] is None else f"{row['tau']:.2f}"
             alpha = "–" if row["alpha"] is None else f"{row['alpha']:.2f}"
             served_by = methods.get(method, {}).get("served_by", "–")  # reports before served_by: unknown
-            cells = [domain, method, served_by, tau, alpha, per_position, speedup_cell(row, method), lossless]
+            cells = [domain, method, served_by, tau, alpha, per_position_cell(row), speedup_cell(row, method), lossless]
             lines.append(f"| {' | '.join(cells)} |")
     # the eval's own verdict on the drafter against the free methods, over the ways of drafting this engine serves
     return [*lines, "", *conclusion(report, engine_name)]

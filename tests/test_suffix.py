@@ -182,8 +182,10 @@ def test_a_verdict_resting_on_a_tree_no_engine_serves_says_so_and_an_engines_car
     report["methods"]["chain"]["gamma"] = 3
     for row in (*report["domains"]["all"].values(), *report["baselines"]["all"].values()):
         row.update(alpha=0.5, per_position=[0.5], lossless=True)
+    report["baselines"]["all"]["suffix"]["per_position"] = [0.5] * 24  # suffix decoding's 24 positions
     card = "\n".join(acceptance_section(report, "vLLM"))
     assert "the drafter's best, chain, runs at 0.90×" in card and "tree (draftsmith eval only), runs" not in card
+    assert f"| all | suffix | – | 1.00 | 0.50 | {' / '.join(['0.50'] * 8)} / … | 0.80× | yes |" in card  # as report.md
 
 
 def test_the_speed_up_interval_pairs_the_prompts_and_widens_where_one_prompt_carries_it():
