@@ -352,7 +352,12 @@ def batch_section(schedule: Optional[dict[str, Any]]) -> list[str]:
 def training_section(info: dict[str, Any]) -> list[str]:
     """What the drafter was trained on and how, from the run that saved the checkpoint (its recipe.yaml and the
     step the checkpoint holds), never from the eval's recipe, which names what the eval read."""
-    lines = ["## Training", "", f"- drafter: `{info['drafter_type']}` with {compact(info['drafter_config'])}"]
+    served_keys = drafter_class(info["drafter_type"]).Config.SERVED  # an export's command line may set them
+    trained = {key: value for key, value in info["drafter_config"].items() if key not in served_keys}
+    served = {key: value for key, value in info["drafter_config"].items() if key in served_keys}
+    lines = ["## Training", "", f"- drafter: `{info['drafter_type']}` with {compact(trained)}"]
+    if compact(served):
+        lines.append(f"- decoded with {compact(served)} (settings of decoding alone, which the export may have set)")
     checkpoint = Path(info["source"]["checkpoint"])
     run = next((folder for folder in checkpoint.parents[:3] if (folder / RECIPE_NAME).is_file()), None)
     if run is None:

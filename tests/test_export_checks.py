@@ -306,3 +306,16 @@ def test_what_a_speculators_folders_config_says_beside_its_tensors_is_read_or_re
     (edited("no-weights") / "model.safetensors").unlink()
     line = refused(tmp_path / "no-weights")
     assert line.endswith("(config.json + model.safetensors): it has a config.json and no model.safetensors"), line
+
+
+def test_the_cards_training_line_names_the_decoding_settings_apart(tmp_path):
+    """A DFlash journey's export given drafter.tree_topk=2 (a decoding setting, over the checkpoint's 4) printed it
+    under the card's Training heading as if the drafter had trained with it: the decoding settings have their own
+    line."""
+    from draftsmith.export.card import training_section
+
+    info = {"drafter_type": "dflash", "source": {"checkpoint": str(tmp_path / "final")},
+            "drafter_config": {"type": "dflash", "num_layers": 1, "block_size": 8, "tree_topk": 2}}  # fmt: skip
+    lines = training_section(info)
+    assert "- drafter: `dflash` with num_layers=1, block_size=8" in lines
+    assert "- decoded with tree_topk=2 (settings of decoding alone, which the export may have set)" in lines
