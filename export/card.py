@@ -356,8 +356,8 @@ def training_section(info: dict[str, Any]) -> list[str]:
     trained = {key: value for key, value in info["drafter_config"].items() if key not in served_keys}
     served = {key: value for key, value in info["drafter_config"].items() if key in served_keys}
     lines = ["## Training", "", f"- drafter: `{info['drafter_type']}` with {compact(trained)}"]
-    if compact(served):
-        lines.append(f"- decoded with {compact(served)} (settings of decoding alone, which the export may have set)")
+    if decoding := compact(served):
+        lines.append(f"- decoded with {decoding} (settings of decoding alone, which the export may have set)")
     checkpoint = Path(info["source"]["checkpoint"])
     run = next((folder for folder in checkpoint.parents[:3] if (folder / RECIPE_NAME).is_file()), None)
     if run is None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from draftsmith.errors import UserError, one_line
@@ -30,7 +30,7 @@ from draftsmith.families import FULL, SLIDING
 from draftsmith.files import read_json, require_readable
 from draftsmith.heads.eagle_base import decoder_spec
 from draftsmith.hub_cache import hub_folder
-from draftsmith.model_files import prefix_renamed
+from draftsmith.model_files import prefix_renamed, tensor_names
 
 log = logging.getLogger(__name__)
 ENCODER_NAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}  # released -> draftsmith's
@@ -166,9 +166,7 @@ def check_local_release(config) -> None:
     if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
         return  # a Hub id, or a folder open_release names what it lacks in
     try:
-        with safe_open(str(folder / "model.safetensors"), framework="pt") as weights:
-            names = set(weights.keys())
-        released = read_json(folder / "config.json")
+        names, released = tensor_names(folder), read_json(folder / "config.json")
     except (SafetensorError, OSError, ValueError):
         return  # open_release says what of it cannot be read, in its own line
     released_settings(config, released, names)
