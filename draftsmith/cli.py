@@ -316,3 +316,7 @@ class OneLineArguments(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UserError(f"{message} ({self.prog} --help lists the arguments)")
+
+
+if __name__ == "__main__":  # `python -m draftsmith.cli COMMAND ...` runs as `python -m draftsmith COMMAND ...` does
+    main()

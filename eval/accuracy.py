@@ -47,9 +47,8 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
     train = trained_rows(cfg, tokenizer, digests)
     device = target.get_output_embeddings().weight.device
     trained = load_drafter(checkpoint, TargetShape.of(target, cfg.target.name_or_path), target).to(device)
-    untrained = drafter_class(trained.type).from_target(
-        OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
-    )
+    settings = OmegaConf.to_object(cfg.drafter)
+    untrained = drafter_class(trained.type).from_target(settings, target, cfg.target.name_or_path)
     if cfg.train.init_from:  # a warm start's baseline is where the run began, not a drafter no run trained
         load_warm_start(cfg.train.init_from, untrained, target)
     elif cfg.data.draft_vocab:  # the rows the trainer prepared on (trainer/setup.py)
@@ -68,8 +67,10 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
     table = {
         "checkpoint": str(checkpoint.resolve()),
         "trained": trained_means,
-        "untrained": untrained_means,  # the drafter the run began from: built from the target, or train.init_from
+        "untrained": untrained_means,  # the drafter the run began from: built from the target, released or init_from
         "start": cfg.train.init_from,  # where the run began from, if not from the target
+        # the released weights it began from otherwise (`drafter.released_assistant=DIR`): from_target loaded them
+        "released_start": None if cfg.train.init_from else settings.released_start(),
         # {"conversations": in data.train too, "of": distinct ones measured}; null where not counted (data.features)
         "eval_in_train": None if train is None else eval_in_train(train, data, cfg, warn=False),
     }
@@ -151,7 +152,7 @@ def accuracy_table(table: dict) -> str:
         return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
     names = sorted((n for n in trained["all"] if n.endswith("/top1")), key=natural)
-    began = "warm start" if table.get("start") else "untrained"
+    began = "warm start" if table.get("start") else "released start" if table.get("released_start") else "untrained"
     columns = [f"{n.removesuffix('/top1')} top-1 ({began} → trained)" for n in names]
     header = "| domain | " + " | ".join(columns) + " |"
     lines = [header, "|" + "---|" * (len(names) + 1)]

@@ -45,6 +45,12 @@ class DrafterConfig:
         (`architecture`)."""
         return fields
 
+    def released_start(self) -> Optional[str]:
+        """`drafter.KEY=VALUE` naming the released weights a fresh drafter of these settings starts from (a STARTS
+        key's), or None: a drafter built from the target alone."""
+        named = [key for key in self.STARTS if getattr(self, key, None) is not None]
+        return f"drafter.{named[0]}={getattr(self, named[0])}" if named else None
+
     def check_read(self) -> None:
         """Raise a one-line UserError for a setting changed from its default that the config's other settings leave
         unread (`refuse_unread`). Checked where a recipe builds a drafter; a saved drafter's config is read as it was

