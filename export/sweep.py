@@ -66,7 +66,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from draftsmith.engines import NGRAM, SUFFIX
+from draftsmith.engines import NGRAM, SUFFIX, vllm_context
 from draftsmith.errors import EngineUnavailable, ExportCheckFailed, UserError
 from draftsmith.export.free_methods import ngram_config, suffix_config
 from draftsmith.export.sweep_checks import (
@@ -264,7 +264,9 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
         require_same_checkpoint(path, resumed, digest)
         drafter = served_values(drafter_config, served)
         folder = exported_for_sweep(cfg, checkpoint, output / "export", digest, target, drafter)  # a resume keeps it
-        load = sweep_load(cfg, python, folder, drafter, target_config)
+        longest = max(gammas, default=0)  # the free methods' too: suffix decoding drafts up to its tree's depth
+        longest = max(longest, suffix_config(cached_answers=0)["num_speculative_tokens"] if suffix else 0)
+        load = sweep_load(cfg, python, folder, drafter, target_config, longest)
         require_same_load(path, resumed, load.settings(), version)
         threads_env = {"OMP_NUM_THREADS": str(load.threads)}
         with nullcontext(session) if session is not None else EngineSession(threads_env) as engines:
@@ -365,7 +367,9 @@ def exported_for_sweep(cfg: DictConfig, checkpoint: Path, output: Path, digest: 
     return export_checkpoint(variant, checkpoint, target=target, served=drafter)["vllm"]
 
 
-def sweep_load(cfg: DictConfig, python: str, folder: Path, drafter: dict[str, Any], target_config) -> Load:
+def sweep_load(
+    cfg: DictConfig, python: str, folder: Path, drafter: dict[str, Any], target_config, longest_gamma: int
+) -> Load:
     """The sweep's prompts and settings from the recipe: the eval prompts, domains in turn; `drafter`: the SERVED
     settings `folder` serves with; `target_config`: the target's (target_loading.load_config)."""
     from draftsmith.eval.prompts import load_prompts, prompt_sources
@@ -395,7 +399,7 @@ def sweep_load(cfg: DictConfig, python: str, folder: Path, drafter: dict[str, An
         min_requests=int(cfg.export.sweep.min_requests),
         threads=int(threads),
         dtype=dtype_name(resolve_dtype(cfg.target.dtype, resolve_device(cfg.eval.device))),
-        max_model_len=max(map(len, prompts)) + new_tokens + 8,
+        max_model_len=vllm_context(prompts, new_tokens, longest_gamma),
         drafter=drafter,
         engine_arguments=target_arguments(reads_in_order(target_config), served_target, overrides) | folder_arguments,
     )

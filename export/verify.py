@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
-from draftsmith.engines import VllmWorker, vllm_distribution
+from draftsmith.engines import VllmWorker, vllm_context, vllm_distribution
 from draftsmith.errors import ExportCheckFailed, UserError
 from draftsmith.eval.counts import Counts
 from draftsmith.eval.loop import generate_batch
@@ -189,7 +189,7 @@ def verify_in_vllm(
         "target": str(served_target_dir),
         "prompts": prompts,
         "max_tokens": max_new,
-        "max_model_len": min(limit, max(map(len, prompts)) + max_new + 8),
+        "max_model_len": min(limit, vllm_context(prompts, max_new, gamma)),  # a schedule's γs are at most this one
         # both loops run the target in the dtype it was loaded in (target.dtype), the one the folder's serving
         # command names: vLLM's CPU kernels for some layers (Gated DeltaNet) take bfloat16 only
         "dtype": served_dtype(source.target_model),

@@ -49,7 +49,13 @@ from draftsmith.errors import UserError
 from draftsmith.families import FULL, SLIDING, family_rotation, within_window
 from draftsmith.heads import register
 from draftsmith.heads.base import Drafter, FlopProfile, filled_from_target
-from draftsmith.heads.gemma4_assistant_config import ASSISTANTS, AssistantConfig
+from draftsmith.heads.gemma4_assistant_config import (
+    ASSISTANTS,
+    AssistantConfig,
+    released_refusal,
+    released_sizes,
+    sizes_refusal,
+)
 from draftsmith.heads.packing import documents, positions, shifted
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
 from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
@@ -123,16 +129,8 @@ def load_released(name_or_path: str, text_config):
 
     key = f"drafter.released_assistant={name_or_path!r}"
     config = read_pretrained(AutoConfig.from_pretrained, name_or_path, f"cannot load {key}")
-    wanted = ASSISTANTS[text_config.model_type]
-    if config.model_type != wanted:
-        raise UserError(
-            f"{key} is a {config.model_type} model, not the assistant of a {text_config.model_type} target ({wanted})"
-        )
-    if config.backbone_hidden_size != text_config.hidden_size:
-        raise UserError(
-            f"{key} drafts for a target of width {config.backbone_hidden_size}; this target's is "
-            f"{text_config.hidden_size}"
-        )
+    if refusal := released_refusal(key, config.to_dict(), text_config.model_type, text_config.hidden_size):
+        raise UserError(refusal)
     model, loading = read_pretrained(
         AutoModelForCausalLM.from_pretrained,
         name_or_path,
@@ -218,13 +216,9 @@ class Gemma4Assistant(Drafter):
         start = config.released_assistant
         released = None if start is None else load_released(start, text)
         values = assistant_config(text, config) if released is None else released.config.to_dict()
-        own = values["text_config"]
-        sizes = {"num_layers": own["num_hidden_layers"], "hidden_width": own["hidden_size"],
-                 "mlp_width": own["intermediate_size"]}  # fmt: skip
-        differ = [f"drafter.{key}={getattr(config, key)} ({start} has {value})"
-                  for key, value in sizes.items() if getattr(config, key) not in (None, value)]  # fmt: skip
-        if differ:
-            raise UserError(f"{'; '.join(differ)}: leave those null, the released assistant's are its own")
+        sizes = released_sizes(values["text_config"])
+        if refusal := sizes_refusal(config, values["text_config"]):
+            raise UserError(refusal)
         decoder = {"assistant": values, "stores": store_layers(text.to_dict())}
         if released is not None:  # its generation config, as transformers read it beside the weights
             decoder[GENERATION] = released.generation_config.to_diff_dict()

