@@ -81,9 +81,9 @@ VLLM_FORMATS = ("speculators", "native")
 def vllm_context(prompts: Sequence[Sequence[int]], new_tokens: int, longest_gamma: int) -> int:
     """The max_model_len vLLM is started with to answer `prompts` with `new_tokens` each, drafting up to
     `longest_gamma` tokens a step. vLLM's scheduler cuts a step's drafts that would run past max_model_len, so with
-    room for the answer alone it accepts fewer near each answer's end than the drafter proposes: an EAGLE-style chain
-    at γ 8 with 8 positions to spare served τ 1.73 where it serves 1.89 with room, a false exit 3 of the export check
-    (2026-12-07). Room for a step's drafts and their verification past the last token is left."""
+    room for the answer alone it accepts fewer near each answer's end than the drafter proposes: a Gemma-4 assistant's
+    chain at γ 8 with 8 positions to spare served τ 1.73 where it serves 1.89 with room, a false exit 3 of the export
+    check (2026-12-07). Room for a step's drafts and their verification past the last token is left."""
     return max(map(len, prompts)) + new_tokens + 2 * longest_gamma + 8
 
 
