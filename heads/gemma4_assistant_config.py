@@ -52,8 +52,11 @@ class AssistantConfig(DrafterConfig):
                 f"drafter.type={self.type}: the assistant reads a Gemma-4 target's KV cache; this target is "
                 f"{target.model_type}: train another kind (eagle3, mtp where the target ships an MTP layer)"
             )
-        released = local_target_config(self.released_assistant) if self.released_assistant else None
-        if target is not None and released is not None:  # a local folder's config.json, before any data loads
+        # a recipe's (decoder unset) local folder, read before any data loads; a saved drafter's config, checked on
+        # every load, is read as it was trained: its start is not read again
+        fresh = target is not None and self.released_assistant and self.decoder is None
+        released = local_target_config(self.released_assistant) if fresh else None
+        if released is not None:
             key = f"drafter.released_assistant={self.released_assistant!r}"
             refusal = released_refusal(key, released, target.model_type, target.hidden_size)
             if refusal or (refusal := sizes_refusal(self, released.get("text_config") or {})):
