@@ -18,7 +18,8 @@ from omegaconf import DictConfig
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import file_sha256
-from draftsmith.formats.repo import EXPORT_INFO
+from draftsmith.formats.repo import EXPORT_INFO, VLLM_CPU_SAMPLING_FAULT
+from draftsmith.formats.versions import CPU_BUILD
 from draftsmith.monitor.drift import Baseline
 from draftsmith.monitor.state import State
 from draftsmith.outputs import REPLACED_DIR
@@ -165,16 +166,35 @@ def other_weights(path: str, measured: Optional[str], weights: str) -> UserError
     )
 
 
+def sampling_fault_build(info: dict[str, Any]) -> Optional[str]:
+    """The version of vLLM's CPU build an export's record says it was checked in, where that build samples requests at
+    temperature > 0 from another distribution than the target's (formats/repo.py's VLLM_CPU_SAMPLING_FAULT); else
+    None."""
+    verified = info.get("verified") or {}
+    version = verified.get("engine_version")
+    return version if verified.get("engine_build") == CPU_BUILD and version in VLLM_CPU_SAMPLING_FAULT else None
+
+
 def require_baseline_drafting(export: str, baseline: Baseline) -> None:
-    """A baseline measured at temperature > 0 of a kind that samples its drafts (Drafter.SAMPLES_DRAFTS: the eval
-    drew each draft from q) is what the engine serves only under vLLM's probabilistic drafting, which exports pin
-    since 86d1c1d; an export that drafts the argmax (an older one pinning greedy, or SGLang's) accepts less with
-    no drift at all, and every check would say drift."""
+    """A baseline at temperature > 0 is not the acceptance of an export checked in a CPU build of
+    VLLM_CPU_SAMPLING_FAULT, whose card says to send it greedy requests only (the export refuses such a report as its
+    own baseline: formats/repo.py require_report_served; this is `monitor.baseline=` naming one). And a baseline
+    measured at temperature > 0 of a kind that samples its drafts (Drafter.SAMPLES_DRAFTS: the eval drew each draft
+    from q) is what the engine serves only under vLLM's probabilistic drafting, which exports pin since 86d1c1d; an
+    export that drafts the argmax (an older one pinning greedy, or SGLang's) accepts less with no drift at all, and
+    every check would say drift."""
     from draftsmith.heads import drafter_class
 
     if baseline.temperature <= 0:
         return
     info = read_export_info(export)
+    if version := sampling_fault_build(info):
+        raise UserError(
+            f"the baseline report {baseline.source} measured the drafter at temperature {baseline.temperature}, and "
+            f"the export {export} was checked in vLLM's CPU build {version}, which is sent greedy requests only "
+            "(vllm-project/vllm#55005): a greedy acceptance judged against it could fall and still read as healthy; "
+            "set monitor.baseline to a report at eval.temperature=0"
+        )
     if not drafter_class(info["drafter_type"]).SAMPLES_DRAFTS:
         return
     drafting = (info.get("speculative_config") or {}).get("draft_sample_method", "greedy")

@@ -16,9 +16,9 @@ from typing import Any, Optional
 from packaging.version import InvalidVersion
 
 from draftsmith.formats import exporter_for
-from draftsmith.formats.repo import VLLM_CPU_SAMPLING_FAULT, VLLM_PINNED
-from draftsmith.formats.versions import CPU_BUILD, Releases, served_by, serves
-from draftsmith.monitor.deployed import read_export_info
+from draftsmith.formats.repo import VLLM_PINNED
+from draftsmith.formats.versions import Releases, served_by, serves
+from draftsmith.monitor.deployed import read_export_info, sampling_fault_build
 from draftsmith.monitor.metrics import UNKNOWN
 
 
@@ -89,9 +89,7 @@ def faulty_sampling(deployed: dict[str, Any]) -> Optional[str]:
     instead: the replicas report that build's version (no re-verify), and neither /metrics nor the request logs say
     the build or the requests' temperature. Measured: the draft model's τ 1.05 there against 1.36 where the kernel
     is mended, at temperature 0.8 (docs/export.md)."""
-    verified = read_export_info(deployed["export"]).get("verified") or {}
-    version = verified.get("engine_version")
-    if verified.get("engine_build") != CPU_BUILD or version not in VLLM_CPU_SAMPLING_FAULT:
+    if not (version := sampling_fault_build(read_export_info(deployed["export"]))):
         return None
     return (
         f"the export was checked in vLLM's CPU build {version}, which accepts fewer drafts of a request sampled at "

