@@ -22,12 +22,13 @@ from draftsmith.heads.gemma4_assistant import FULL, SLIDING, store_layers
 from draftsmith.heads.proposer import DraftState
 from draftsmith.random_target import DemoTraining, demo_tokenizer_dir, write_random_target
 from draftsmith.recipe import load_recipe
-from draftsmith.target import run_target
+from draftsmith.target import load_target, run_target
 from tests.helpers import (
     DEMO,
     FAMILY_TRAINING,
     assert_one_line_error,
     run_entry_in_process,
+    save_drafter,
     stand_in_vllm,
     train_and_export_for_vllm,
     train_args,
@@ -305,6 +306,24 @@ def test_a_local_released_assistant_for_another_target_or_shape_is_refused_as_th
         with pytest.raises(UserError, match=re.escape(fragment)):
             load_recipe([*recipe, f"drafter.released_assistant={folder}", *([setting] if setting else [])])
     assert load_recipe([*recipe, f"drafter.released_assistant={tmp_path / 'two'}", "drafter.num_layers=2"])
+
+
+@pytest.mark.slow  # a training run's start on the demo Gemma-4 target
+def test_a_warm_start_of_another_size_is_refused_before_the_data_is_read(tmp_path, capsys):
+    """An assistant checkpoint of 3 layers as train.init_from for a recipe whose null num_layers the target fills (2)
+    was refused only after the data was tokenized (the Gemma-4 journey, 2026-12-07): the drafter and its start are
+    built as the target loads, before the data is read (unreadable here)."""
+    name = str(DEMO / "gemma4-target")
+    target = load_target(load_recipe(["recipe=gemma4_assistant", f"target.name_or_path={name}"]).target, "cpu")
+    checkpoint = save_drafter("gemma4_assistant", target, tmp_path / "ckpt", target_name=name, num_layers=3)
+    unreadable = tmp_path / "train.jsonl"
+    unreadable.write_text("not json\n")
+    run = tmp_path / "run"
+    started = run_entry_in_process(["train.py", "recipe=gemma4_assistant", f"target.name_or_path={name}",
+                                    f"data.train=[{unreadable}]", f"train.init_from={checkpoint}", f"output_dir={run}"],
+                                   capsys)  # fmt: skip
+    assert_one_line_error(started, 2, f"{checkpoint} is another architecture than the recipe's: drafter.num_layers=2")
+    assert not run.exists() or not any(run.iterdir())
 
 
 @pytest.fixture(scope="module")

@@ -152,18 +152,12 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         if cfg.eval.enabled:  # what the eval stage's loop cannot decode, refused now
             longest = int(cfg.data.max_length) + int(cfg.eval.max_new_tokens)  # a prompt of data.max_length, its answer
             check_target(target, tree=int(cfg.eval.tree) > 0, batch=largest_eval_batch(cfg.eval) > 1, length=longest)
-    # each data file's sha256 as this start's load reads it, for its later reads (the prompts' count, the record)
-    digests: dict[str, str] = {}
-    train_data, vocab_data, heldout, prompt_count = load_data(cfg, accelerator, tokenizer, digests)
+    # the drafter, and the weights it starts from, before the data: a start of another shape (a warm start's, a
+    # resumed checkpoint's), or a drafter the target cannot hold, is refused before minutes of tokenizing. No draw of
+    # the RNG is between set_seed and this build, so its initial weights are as before.
     drafter = build_drafter(cfg, target, accelerator.device)
     if cfg.eval.enabled:  # the chain the eval stage asks, against the built drafter's (an MTP release's depth count)
         check_chain(cfg, type(drafter), drafter.config)
-    train_data, collate, target_features = training_inputs(cfg, tokenizer, target, drafter, train_data)
-    # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank, at a fresh start: a resume's
-    # checkpoint holds it and what it learned, a warm start keeps its start's (load_warm_start; fitted again, a
-    # resumed warm start recorded the coverage of a vocabulary it never trained)
-    if resume_from is None and not cfg.train.init_from:
-        drafter.prepare(train_data, vocab_from=vocab_data)
     if resume_from is not None:  # its weights must be of the drafter the recipe builds
         require_recipes_drafter(saved_kind.type, saved_config, drafter.type, drafter.config, resumed_what, resume_from)
         drafter.learned = dict(saved_file.get("learned") or {})
@@ -177,6 +171,15 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         for key in drafter.config.STARTS:
             if getattr(drafter.config, key) is not None:
                 log.info("starting from drafter.%s=%s", key, getattr(drafter.config, key))
+    # each data file's sha256 as this start's load reads it, for its later reads (the prompts' count, the record)
+    digests: dict[str, str] = {}
+    train_data, vocab_data, heldout, prompt_count = load_data(cfg, accelerator, tokenizer, digests)
+    train_data, collate, target_features = training_inputs(cfg, tokenizer, target, drafter, train_data)
+    # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank, at a fresh start: a resume's
+    # checkpoint holds it and what it learned, a warm start keeps its start's (load_warm_start; fitted again, a
+    # resumed warm start recorded the coverage of a vocabulary it never trained)
+    if resume_from is None and not cfg.train.init_from:
+        drafter.prepare(train_data, vocab_from=vocab_data)
     warn_if_no_engine_serves(cfg, drafter, target, accelerator.is_main_process)
     run = prepare_run(cfg, accelerator, target, drafter, train_data, collate, target_features, heldout)
     run.prompt_count = prompt_count
