@@ -3,10 +3,12 @@ and the token ids that end a generation: what draftsmith's eval and the engine c
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 from draftsmith.errors import UserError
 
+log = logging.getLogger(__name__)
 ALL = "all"  # the aggregate "domain" of a report: counters summed over every domain
 
 
@@ -59,15 +61,21 @@ def render_prompts(
     chosen: dict[str, list[list[dict[str, Any]]]], tokenizer, max_length: int
 ) -> dict[str, list[list[int]]]:
     """Each conversation rendered up to its last assistant turn with the generation prompt (render_prompt);
-    prompts longer than `max_length` keep their last tokens."""
+    prompts longer than `max_length` keep their last tokens, and how many were cut is said (the prefill a
+    measurement of speed serves is then shorter than the traffic's)."""
     from draftsmith.data_prep.template import render_prompt
 
-    return {
-        domain: [
-            render_prompt(tokenizer, messages, max_length, from_end=True)[0][-max_length:] for messages in conversations
-        ]
+    rendered = {
+        domain: [render_prompt(tokenizer, messages, max_length, from_end=True)[0] for messages in conversations]
         for domain, conversations in chosen.items()
     }
+    cut = sum(len(ids) > max_length for prompts in rendered.values() for ids in prompts)
+    if cut:
+        log.info(
+            "%d of the %d prompts are longer than data.max_length=%d tokens: their last %d tokens are decoded from",
+            cut, sum(map(len, rendered.values())), max_length, max_length,
+        )  # fmt: skip
+    return {domain: [ids[-max_length:] for ids in prompts] for domain, prompts in rendered.items()}
 
 
 def require_no_aggregate_domain(conversations, key: str) -> None:

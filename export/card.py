@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from draftsmith.engines import SERVING_ENGINES
 from draftsmith.eval.partings import NEAR_TIE_UNITS
 from draftsmith.eval.render import FREE_BASELINES, conclusion, per_position_cell, speedup_cell
+from draftsmith.export.schedule import pays_line
 from draftsmith.formats.repo import (
     TRUST_REMOTE_CODE_FLAG,
     VLLM_CPU_PYTHON,
@@ -315,23 +316,18 @@ def batch_section(schedule: Optional[dict[str, Any]]) -> list[str]:
         "| concurrency | γ served | τ (vLLM) | speed-up over plain |",
         "|---:|---:|---:|---:|",
     ]
+    noise = schedule.get("noise")
     for concurrency, level in schedule["per_concurrency"].items():
         tau = "–" if level["tau"] is None else f"{level['tau']:.2f}"
-        lines.append(f"| {concurrency} | {level['chosen']} | {tau} | {level['speedup']:.2f}× |")
+        within = " (within the noise)" if noise is not None and abs(level["speedup"] - 1) <= noise else ""
+        lines.append(f"| {concurrency} | {level['chosen']} | {tau} | {level['speedup']:.2f}×{within} |")
     slower = schedule.get("predicted_below_plain_at", [])
     if slower:
         ratios = ", ".join(f"{schedule['per_concurrency'][str(c)]['predicted_vs_plain']:.2f}×" for c in slower)
-        upto = schedule.get("pays_up_to")
         lines += [
             "",
             f"**Predicted below plain decoding at concurrency {', '.join(map(str, slower))} ({ratios}, the γ served "
-            "there, the drafter's cost at γ 0 included): "
-            + (
-                f"it pays at every measured concurrency up to {upto}; with more requests in flight, serve the "
-                "target without it.**"
-                if upto is not None
-                else "it does not pay at the lowest measured concurrency; serve the target without it.**"
-            ),
+            f"there, the drafter's cost at γ 0 included): {pays_line(schedule)}.**",
         ]
     if schedule.get("below_plain_at"):
         lines += [

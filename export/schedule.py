@@ -169,6 +169,31 @@ def batch_schedule(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
     }
 
 
+def pays_again_above(schedule: dict[str, Any]) -> list[int]:
+    """The measured concurrencies above the first one predicted below plain that are predicted at or above plain
+    again: levels that do not fall with the load, as a drafter's cost does, are the sweep's noise more than the
+    drafter's (too few requests a level), so `pays_up_to` says nothing of the loads above it."""
+    slower = schedule["predicted_below_plain_at"]
+    return [int(c) for c in schedule["per_concurrency"] if slower and int(c) > slower[0] and int(c) not in slower]
+
+
+def pays_line(schedule: dict[str, Any]) -> str:
+    """Up to which load the drafter pays (the card's and the export's line), or that the sweep cannot tell."""
+    if again := pays_again_above(schedule):
+        return (
+            f"at or above plain again at concurrency {', '.join(map(str, again))}: the levels do not fall with the "
+            "load, as a drafter's cost does, so the timings' noise decides them; measure again with more requests a "
+            "level (export.sweep.min_requests, export.sweep.requests_per_slot) before serving it above concurrency "
+            f"{schedule['pays_up_to'] or 'none'}"
+        )
+    if schedule["pays_up_to"] is None:
+        return "it does not pay at the lowest measured concurrency; serve the target without it"
+    return (
+        f"it pays at every measured concurrency up to {schedule['pays_up_to']}; with more requests in flight, serve "
+        "the target without it"
+    )
+
+
 def measured_pair(run: dict[str, Any] | None, plain: dict[str, Any]) -> dict[str, Any]:
     """τ and speed-up over plain as the sweep measured them at the chosen γ (γ 0 with the drafter
     loaded where the sweep has that row; none measured: plain's)."""
@@ -228,9 +253,7 @@ def batch_schedule_of(cfg: DictConfig, digest: str, serving=None) -> Optional[di
             ", ".join(map(str, schedule["predicted_below_plain_at"])),
             ", ".join(map(str, schedule["below_plain_at"])) or "none",
             " was measured" if schedule["gamma_0_measured"] else " was not measured: sweep it, draftsmith sweep",
-            "serve the target without the drafter at any load"
-            if schedule["pays_up_to"] is None
-            else f"it pays up to concurrency {schedule['pays_up_to']}; above that, serve the target alone",
+            pays_line(schedule),
         )
     return {**schedule, "sweep": str(path), "method": methods[0], "engine": [json.loads(e) for e in sorted(engines)]}
 

@@ -258,6 +258,7 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
     target_config = load_config(cfg.target)
     varied = varied_drafts(target_config, python, settings)
     digest = checkpoint_digest(checkpoint)
+    prompts = sweep_prompts(cfg)  # bad traffic is one line before the export is written
     path = output / ROWS
     with DirectoryLock(output, key="export.sweep.output"):
         resumed = read_rows(path)
@@ -266,7 +267,7 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
         folder = exported_for_sweep(cfg, checkpoint, output / "export", digest, target, drafter)  # a resume keeps it
         longest = max(gammas, default=0)  # the free methods' too: suffix decoding drafts up to its tree's depth
         longest = max(longest, suffix_config(cached_answers=0)["num_speculative_tokens"] if suffix else 0)
-        load = sweep_load(cfg, python, folder, drafter, target_config, longest)
+        load = sweep_load(cfg, python, folder, drafter, target_config, longest, prompts)
         require_same_load(path, resumed, load.settings(), version)
         threads_env = {"OMP_NUM_THREADS": str(load.threads)}
         with nullcontext(session) if session is not None else EngineSession(threads_env) as engines:
@@ -367,14 +368,10 @@ def exported_for_sweep(cfg: DictConfig, checkpoint: Path, output: Path, digest: 
     return export_checkpoint(variant, checkpoint, target=target, served=drafter)["vllm"]
 
 
-def sweep_load(
-    cfg: DictConfig, python: str, folder: Path, drafter: dict[str, Any], target_config, longest_gamma: int
-) -> Load:
-    """The sweep's prompts and settings from the recipe: the eval prompts, domains in turn; `drafter`: the SERVED
-    settings `folder` serves with; `target_config`: the target's (target_loading.load_config)."""
+def sweep_prompts(cfg: DictConfig) -> list[list[int]]:
+    """The sweep's prompts: the eval prompts (eval.max_prompts a domain), domains in turn; how many, said."""
     from draftsmith.eval.prompts import load_prompts, prompt_sources
-    from draftsmith.families import reads_in_order
-    from draftsmith.target import dtype_name, load_tokenizer, resolve_device, resolve_dtype
+    from draftsmith.target import load_tokenizer
 
     sources, per_file = prompt_sources(cfg)  # the eval report's prompts
     if not sources:
@@ -383,7 +380,28 @@ def sweep_load(
         sources, load_tokenizer(cfg.target), int(cfg.eval.max_prompts), int(cfg.data.max_length),
         cfg.data.skip_invalid_utf8, per_file,
     )  # fmt: skip
-    prompts = round_robin(by_domain)
+    counts = ", ".join(f"{domain} {len(prompts)}" for domain, prompts in by_domain.items())
+    log.info(
+        "the sweep serves %d prompts of %s (%s: the first eval.max_prompts=%d of each domain), reused round-robin",
+        sum(map(len, by_domain.values())), ", ".join(map(str, sources)), counts, int(cfg.eval.max_prompts),
+    )  # fmt: skip
+    return round_robin(by_domain)
+
+
+def sweep_load(
+    cfg: DictConfig,
+    python: str,
+    folder: Path,
+    drafter: dict[str, Any],
+    target_config,
+    longest_gamma: int,
+    prompts: list[list[int]],
+) -> Load:
+    """The sweep's settings from the recipe, serving `prompts` (`sweep_prompts`); `drafter`: the SERVED settings
+    `folder` serves with; `target_config`: the target's (target_loading.load_config)."""
+    from draftsmith.families import reads_in_order
+    from draftsmith.target import dtype_name, resolve_device, resolve_dtype
+
     new_tokens = int(cfg.eval.max_new_tokens)
     threads = cfg.export.sweep.cpu_threads or int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
     # a drafter that verifies with a target of its own (Medusa-2's adapted one) serves it from its folder

@@ -81,6 +81,29 @@ def test_k_0_costs_what_the_drafter_measured_at_gamma_0_and_a_load_below_plain_i
     assert level["chosen"] == 0 and level["speedup"] == round(1 / 1.05, 4)
 
 
+def test_levels_that_pay_again_above_one_below_plain_are_said_to_need_a_longer_measure():
+    """A load sweep's journey (2026-12-08): c=4 predicted at 0.95x and c=8 at 1.21x, and the card said "it pays up to 2;
+    with more requests in flight, serve the target without it" beside its own 1.21x. Levels that do not fall with the
+    load are the timings' noise (levels of a second or two): said so, with the settings that measure longer; the
+    card marks a speed-up within the sweep's noise."""
+    from draftsmith.export.card import batch_section
+    from draftsmith.export.schedule import pays_again_above, pays_line
+
+    rows = sweep({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}, {(1, 1): 1.1, (2, 1): 1.2, (4, 1): 1.7, (8, 1): 1.3})
+    rows += [sweep_row("d", 0, c, 1.1, (), 0, "abc") for c in (1, 2, 4, 8)]  # the drafter's cost at γ 0: 0.91x
+    schedule = batch_schedule(rows, "d")  # E(1) = 1.6: 1.45x, 1.33x, 0.94x, 1.23x
+    assert schedule["predicted_below_plain_at"] == [4] and schedule["pays_up_to"] == 2
+    assert pays_again_above(schedule) == [8]
+    line = pays_line(schedule)
+    assert line.startswith("at or above plain again at concurrency 8: the levels do not fall with the load")
+    assert "export.sweep.min_requests" in line and "serve the target without it" not in line
+    falling = batch_schedule([row for row in rows if row["concurrency"] != 8], "d")
+    assert pays_again_above(falling) == [] and pays_line(falling).startswith("it pays at every measured concurrency")
+    card = "\n".join(batch_section({**schedule, "sweep": "s.jsonl", "method": "d", "engine": [], "noise": 0.25}))
+    assert "**Predicted below plain decoding at concurrency 4 (0.94×, the γ served there" in card and line in card
+    assert "| 4 | 1 | 1.60 | 0.94× (within the noise) |" in card and "| 1 | 1 | 1.60 | 1.45× |" in card
+
+
 def test_a_drafter_that_beats_only_its_own_gamma_0_cost_is_refused():
     rows = sweep({1: 1.0}, {(1, 1): 1.62}) + [sweep_row("d", 0, 1, 1.3, (), 0, "abc")]  # 0.99x plain, 1.28x its γ 0
     with pytest.raises(NoSchedule, match="at no measured concurrency"):
@@ -270,6 +293,37 @@ def test_the_sweep_of_another_checkpoint_is_not_resumed(target, tmp_path, capsys
                                    f"output_dir={tmp_path}",
                                    f"export.vllm_python={stand_in_vllm(tmp_path)}"], capsys)  # fmt: skip
     assert_one_line_error(result, 2, "holds a sweep of another checkpoint (sha256 000000000000)")
+
+
+def test_the_sweeps_traffic_is_read_before_the_export_is_written_and_what_it_serves_is_said(
+    target, tmp_path, capsys, caplog
+):
+    """A load sweep's journey (2026-12-08): a traffic file that cannot be read was refused after the drafter had been
+    exported into the sweep's folder (11 MB left beside the error); of 32 conversations 24 were served and 4,832
+    tokens of a prompt cut to data.max_length, without a word. The prompts are read first; the log says how many
+    are served, of which domains, and how many were cut."""
+    from draftsmith.export.sweep import sweep_prompts
+    from draftsmith.recipe import load_recipe
+
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("not json\n")
+    result = run_entry_in_process(["-m", "export.sweep", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}",
+                                   f"output_dir={tmp_path}", f"export.vllm_python={stand_in_vllm(tmp_path)}",
+                                   f"eval.data=[{traffic}]"], capsys)  # fmt: skip
+    assert_one_line_error(result, 2, f"{traffic}:1: malformed JSON")
+    assert not (tmp_path / "sweep").exists()
+    asked = [{"messages": [{"role": "user", "content": text}], "domain": domain}
+             for domain, text in [("a", "hi " * 500), ("a", "hello"), ("a", "more"), ("b", "bye")]]  # fmt: skip
+    traffic.write_text("".join(json.dumps(record) + "\n" for record in asked))
+    cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"eval.data=[{traffic}]", "eval.max_prompts=2"])
+    with caplog.at_level("INFO"):
+        prompts = sweep_prompts(cfg)
+    assert len(prompts) == 3 and max(map(len, prompts)) == cfg.data.max_length
+    assert f"the sweep serves 3 prompts of {traffic} (a 2, b 1: the first eval.max_prompts=2 of each domain)" in (
+        caplog.text
+    )
+    assert f"1 of the 3 prompts are longer than data.max_length={cfg.data.max_length} tokens" in caplog.text
 
 
 def test_a_sweep_with_a_program_that_is_not_a_vllm_python_is_refused_before_it_exports(target, tmp_path, capsys):

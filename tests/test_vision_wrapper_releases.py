@@ -145,7 +145,7 @@ def test_a_load_sweep_serves_the_target_as_the_check_and_the_serving_command_do(
     another model than the check measured."""
     from transformers import AutoConfig
 
-    from draftsmith.export.sweep import sweep_load
+    from draftsmith.export.sweep import sweep_load, sweep_prompts
     from draftsmith.formats.repo import EXPORT_INFO
     from draftsmith.recipe import load_recipe
     from tests.helpers import KINDS, REFERENCE_TARGET
@@ -158,9 +158,9 @@ def test_a_load_sweep_serves_the_target_as_the_check_and_the_serving_command_do(
     overrides = {"image_token_index": 7}
     (folder / EXPORT_INFO).write_text(json.dumps({"target_overrides": overrides}))
     reference = AutoConfig.from_pretrained(REFERENCE_TARGET)  # a target read out of order: caching stays on
-    plain = sweep_load(cfg, "python", folder, {}, reference, 1)
+    plain = sweep_load(cfg, "python", folder, {}, reference, 1, sweep_prompts(cfg))
     assert plain.engine_arguments == {"hf_overrides": overrides}
     write_config(folder / "target", {"model_type": "wrapper", "vision_config": {}})  # served from the folder
-    wrapper = sweep_load(cfg, "python", folder, {}, reference, 1)
+    wrapper = sweep_load(cfg, "python", folder, {}, reference, 1, sweep_prompts(cfg))
     assert wrapper.engine_arguments == {"language_model_only": True, "hf_overrides": overrides}
     assert wrapper.request([1], None)["language_model_only"] is True
