@@ -92,8 +92,7 @@ def normalize_record(record: dict[str, Any], source: str, number: int, prompts_o
         raise UserError(
             f"{where}: no assistant turn"
             + (" after the opening one (which nothing before it asks for: kept as context only)" if opening else "")
-            + ", so nothing to train on"
-            + (" (nor a last user turn to answer)" if prompts_only else "")
+            + (", and it does not end with a user turn to answer" if prompts_only else ", so nothing to train on")
         )
     domain = record.get("domain")
     if domain is not None and (isinstance(domain, bool) or not isinstance(domain, (str, int))):

@@ -86,7 +86,9 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
             if override.is_delete() or override.is_add() or override.is_force_add():
                 raise UserError(f"override {override.input_line!r}: only plain key=value is supported (no +, ++ or ~)")
             if override.is_sweep_override():
-                raise UserError(f"override {override.input_line!r}: sweeps are not supported")
+                given = override.input_line.split("=", 1)[1]
+                listed = "" if "(" in given else f"; a list is in brackets: '{override.key_or_group}=[{given}]'"
+                raise UserError(f"override {override.input_line!r}: a sweep of runs, never run by draftsmith{listed}")
             parsed.append((override.key_or_group, override.value()))
     except HydraException as err:
         hint = "quote a value with other characters than letters, digits and -_./: key='...'"  # Hydra never says

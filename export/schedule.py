@@ -129,7 +129,11 @@ def batch_schedule(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
             f"at no measured concurrency does speculation with this drafter beat plain decoding by {margin:.0%}"
             + (" (how far the sweep's two plain runs differ)" if noisy else "")
             + f": best predicted speed-up {summary}; serve the target without it"
-            + (", or measure again on a quieter machine" if noisy else "")
+            + (
+                ", or measure again on a quieter machine or with more requests a level (export.sweep.min_requests)"
+                if noisy
+                else ""
+            )
         )
     ranges: list[list[int]] = []
     for index, concurrency in enumerate(levels):
@@ -183,8 +187,8 @@ def pays_line(schedule: dict[str, Any]) -> str:
         return (
             f"at or above plain again at concurrency {', '.join(map(str, again))}: the levels do not fall with the "
             "load, as a drafter's cost does, so the timings' noise decides them; measure again with more requests a "
-            "level (export.sweep.min_requests, export.sweep.requests_per_slot) before serving it above concurrency "
-            f"{schedule['pays_up_to'] or 'none'}"
+            "level (export.sweep.min_requests, export.sweep.requests_per_slot) before serving it "
+            + (f"above concurrency {schedule['pays_up_to']}" if schedule["pays_up_to"] else "at all")
         )
     if schedule["pays_up_to"] is None:
         return "it does not pay at the lowest measured concurrency; serve the target without it"
@@ -224,7 +228,12 @@ def batch_schedule_of(cfg: DictConfig, digest: str, serving=None) -> Optional[di
     if not exporter.vllm_takes_schedule:
         reason = NO_SCHEDULE.format(method=exporter.vllm_method)
         raise UserError(f"export.batch_sweep={cfg.export.batch_sweep}: {reason}")
-    rows = [row for row in read_sweep(path) if at_one_gamma(row)]  # a served schedule's rows are left out
+    rows = read_sweep(path)
+    if not rows:
+        raise UserError(
+            f"export.batch_sweep={cfg.export.batch_sweep} holds no rows: sweep the checkpoint (draftsmith sweep)"
+        )
+    rows = [row for row in rows if at_one_gamma(row)]  # a served schedule's rows are left out
     methods = sorted({row["method"] for row in rows if row.get("source_sha256") == digest})
     if len(methods) != 1:
         found = f"measures it as {', '.join(methods)}" if methods else "measured no export of it"

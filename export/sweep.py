@@ -76,12 +76,12 @@ from draftsmith.export.sweep_checks import (
     require_same_load,
     varied_drafts,
 )
-from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, plot, read_sweep, summarize
+from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, ROWS, plot, read_sweep, summarize
 from draftsmith.files import append_lines, read_json
 from draftsmith.formats.repo import EXPORT_INFO, target_arguments
 
 DEFAULT_LONGEST = 5  # export.sweep.gammas unset: 1 up to the drafter's longest chain, at most this
-ROWS, SUMMARY, PLOT = "sweep.jsonl", "summary.json", "speedup.png"
+SUMMARY, PLOT = "summary.json", "speedup.png"
 log = logging.getLogger("draftsmith.export")
 
 
@@ -403,7 +403,10 @@ def sweep_load(
     from draftsmith.target import dtype_name, resolve_device, resolve_dtype
 
     new_tokens = int(cfg.eval.max_new_tokens)
-    threads = cfg.export.sweep.cpu_threads or int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    cores = len(os.sched_getaffinity(0))
+    threads = cfg.export.sweep.cpu_threads or int(os.environ.get("OMP_NUM_THREADS") or cores)
+    if threads > cores:  # on a CPU engine, threads beyond the cores spin against each other: every level slower
+        log.warning("the engine runs %d threads on %d cores (export.sweep.cpu_threads): slower levels", threads, cores)
     # a drafter that verifies with a target of its own (Medusa-2's adapted one) serves it from its folder
     served_target = folder / "target" if (folder / "target").is_dir() else cfg.target.name_or_path
     record = read_json(folder / EXPORT_INFO, "export record")  # the target's overrides and engine arguments, as checked

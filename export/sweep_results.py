@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from draftsmith.errors import UserError, one_line
 
+ROWS = "sweep.jsonl"  # the rows a sweep writes (export/sweep.py), one JSON object a line
 PLAIN = "plain"
 PLAIN_AGAIN = "plain-rerun"  # plain measured a second time in the same sweep: its noise
 # What export/schedule.py reads from a row; the rest is for the reader of the sweep.
@@ -28,6 +29,19 @@ FIELDS = (
 )
 
 
+def unreadable_why(text: str, number: int, count: int) -> str:
+    """What a line that is not JSON says of the file: another file than the sweep's rows (its summary.json, one JSON
+    document), or a last row cut short as it was written (the sweep stopped mid-write)."""
+    try:
+        json.loads(text)
+        return f": one JSON document, not a sweep's JSON lines; give the sweep's {ROWS}"
+    except json.JSONDecodeError:
+        pass
+    if number == count and not text.endswith("\n"):
+        return ": the last row, cut short as it was written; delete that line and run the sweep again to measure it"
+    return ""
+
+
 def read_sweep(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a load sweep's JSONL; UserError naming the first bad line."""
     path = Path(path)
@@ -38,13 +52,16 @@ def read_sweep(path: str | Path) -> list[dict[str, Any]]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise UserError(f"{path}: not UTF-8 text, so no load-sweep rows ({one_line(err)})") from None
-    for number, line in enumerate(text.splitlines(), 1):
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{number}: not JSON ({one_line(err)})") from None
+            raise UserError(
+                f"{path}:{number}: not JSON ({one_line(err)}){unreadable_why(text, number, len(lines))}"
+            ) from None
         missing = [key for key in FIELDS if key not in row] if isinstance(row, dict) else list(FIELDS)
         if missing:
             raise UserError(f"{path}:{number}: not a load-sweep row (missing {', '.join(missing)})")

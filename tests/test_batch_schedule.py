@@ -8,6 +8,7 @@ side, the sweep measured in vLLM included, is tests/test_engine_vllm.py."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -165,7 +166,14 @@ def test_the_margin_is_the_sweeps_own_noise_where_that_is_larger():
 def test_a_malformed_sweep_is_named_by_its_line(tmp_path):
     path = tmp_path / "sweep.jsonl"
     path.write_text(json.dumps(sweep_row("plain", 0, 1, 1.0)) + "\n{not json\n")
-    with pytest.raises(UserError, match="sweep.jsonl:2: not JSON"):
+    with pytest.raises(UserError, match=r"sweep.jsonl:2: not JSON \(Expecting property name .*\)$"):
+        read_sweep(path)
+    # a last row cut short by a stop mid-write, and the sweep's summary.json given for its rows (a journey, 2026-12-08)
+    path.write_text(json.dumps(sweep_row("plain", 0, 1, 1.0)) + "\n" + json.dumps(sweep_row("plain", 0, 2, 1.0))[:40])
+    with pytest.raises(UserError, match=r"sweep.jsonl:2: not JSON .*: the last row, cut short .*delete that line"):
+        read_sweep(path)
+    path.write_text(json.dumps({"noise": 0.1, "schedule": {}}, indent=2))
+    with pytest.raises(UserError, match=r"sweep.jsonl:1: not JSON .*: one JSON document, not a sweep's JSON lines"):
         read_sweep(path)
     path.write_text(json.dumps({"method": "plain"}) + "\n")
     with pytest.raises(UserError, match="sweep.jsonl:1: not a load-sweep row"):
@@ -270,12 +278,15 @@ def test_the_export_serves_the_schedule_with_the_pinned_sampling_settings(target
         ("other", "the sweep measured no export of it"),
         ("gamma", "export.num_speculative_tokens=3 but export.batch_sweep's schedule needs 2"),
         ("missing", "does not exist"),
+        ("empty", "holds no rows: sweep the checkpoint"),
     ],
 )
 def test_a_sweep_that_does_not_fit_is_refused_in_one_line(setting, fragment, target, tmp_path, capsys):
     checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
     digest = "0" * 64 if setting == "other" else checkpoint_digest(checkpoint)
     measured = write_sweep(tmp_path / "sweep.jsonl", digest) if setting != "missing" else tmp_path / "none.jsonl"
+    if setting == "empty":
+        measured.write_text("")
     extra = ["export.num_speculative_tokens=3"] if setting == "gamma" else []
     result = run_entry_in_process(["-m", "export", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}",
                                    f"output_dir={tmp_path / 'run'}", f"export.output={tmp_path / 'export'}",
@@ -301,8 +312,8 @@ def test_the_sweeps_traffic_is_read_before_the_export_is_written_and_what_it_ser
     """A load sweep's journey (2026-12-08): a traffic file that cannot be read was refused after the drafter had been
     exported into the sweep's folder (11 MB left beside the error); of 32 conversations 24 were served and 4,832
     tokens of a prompt cut to data.max_length, without a word. The prompts are read first; the log says how many
-    are served, of which domains, and how many were cut."""
-    from draftsmith.export.sweep import sweep_prompts
+    are served, of which domains, and how many were cut; more engine threads than cores (64 on 2) are warned of."""
+    from draftsmith.export.sweep import sweep_load, sweep_prompts
     from draftsmith.recipe import load_recipe
 
     checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
@@ -324,6 +335,16 @@ def test_the_sweeps_traffic_is_read_before_the_export_is_written_and_what_it_ser
         caplog.text
     )
     assert f"1 of the 3 prompts are longer than data.max_length={cfg.data.max_length} tokens" in caplog.text
+    (tmp_path / "folder").mkdir()  # an export's record, as the sweep's engine arguments are read from it
+    (tmp_path / "folder" / EXPORT_INFO).write_text("{}")
+    cores = len(os.sched_getaffinity(0))
+    many = load_recipe([f"recipe={KINDS['eagle3']}", f"export.sweep.cpu_threads={cores + 1}"])
+    with caplog.at_level("INFO"):
+        sweep_load(many, "python", tmp_path / "folder", {}, target.config, 1, prompts)
+    assert f"the engine runs {cores + 1} threads on {cores} cores (export.sweep.cpu_threads)" in caplog.text
+    traffic.write_text(json.dumps({"messages": [{"role": "system", "content": "be brief"}]}) + "\n")
+    with pytest.raises(UserError, match="record 1: no assistant turn, and it does not end with a user turn to answer$"):
+        sweep_prompts(cfg)  # it said "so nothing to train on", of traffic to answer
 
 
 def test_a_sweep_with_a_program_that_is_not_a_vllm_python_is_refused_before_it_exports(target, tmp_path, capsys):

@@ -133,6 +133,11 @@ def test_bad_overrides_are_user_errors(override, fragment):
             "data.regenerate.samples=1000000000 answers each conversation 1000000000 times: at most 1000",
         ),
         ("export.sweep.concurrency=[]", "export.sweep.concurrency=[] must list integers from 1 to 1024, at least one"),
+        # Hydra's sweep syntax, which a load sweep's user wrote for a list (a journey, 2026-12-08)
+        (
+            "export.sweep.concurrency=1,2",
+            "a sweep of runs, never run by draftsmith; a list is in brackets: 'export.sweep.concurrency=[1,2]'",
+        ),
         ("export.sweep.concurrency=[0,4]", "export.sweep.concurrency=[0, 4] must list integers from 1 to 1024"),
         ("export.sweep.concurrency=[1,100000]", "export.sweep.concurrency=[1, 100000] must list integers from 1 to"),
         ("export.sweep.min_requests=1000000", "serves 1000000 requests (max(min_requests=1000000, requests_per_slot"),
