@@ -221,3 +221,12 @@ def plot(
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def found(summary: dict[str, Any], method: str) -> str:
+    """What a sweep found, for its log line (not only its files): the drafter's best speed-up over plain at each
+    concurrency, and the γ per batch size it gives (or none)."""
+    best = summary["best_per_concurrency"].get(method, {})
+    measured = ", ".join(f"c={c} {at['speedup']:.2f}× at γ {at['gamma']}" for c, at in best.items() if at["speedup"])
+    schedule = summary["schedule"].get("num_speculative_tokens_per_batch_size")
+    return f"{method} {measured or 'not measured'} over plain; γ per batch size {schedule or 'none'}"

@@ -7,6 +7,7 @@ tests/test_engine_vllm.py; the engine here is tests/test_batch_schedule.py's sta
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -163,7 +164,8 @@ def test_the_sweep_prints_its_path_alone_on_stdout_and_logs_on_stderr(target, tm
     out, err = capsys.readouterr()
     assert exited.value.code == 0, err[-2000:]
     assert out == f"{path}\n"
-    assert f"draftsmith.export: load sweep of {checkpoint}" in err
+    assert f"draftsmith.export: load sweep of {checkpoint}: eagle3 c=1 " in err  # what it found, not only where
+    assert re.search(r"eagle3 c=1 \d+\.\d\d× at γ \d.* over plain; γ per batch size ", err), err[-2000:]
 
 
 def test_a_sweep_output_in_an_export_or_the_checkpoint_is_refused_before_anything_loads(target, tmp_path, capsys):
