@@ -59,6 +59,20 @@ TURN_FEATURES = {
 }
 
 
+def text_of_parts(parts: list, where: str) -> str:
+    """OpenAI's content parts (`[{"type": "text", "text": ...}, ...]`) as the one string a chat template renders: the
+    texts joined by newlines, as vLLM's chat API joins them; a part of another type (an image, audio) is refused, the
+    targets draftsmith trains for reading text only."""
+    texts = []
+    for number, part in enumerate(parts, 1):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            said = f"of type {kind!r}" if kind else "that is not a {'type': 'text', 'text': ...} object"
+            raise UserError(f"{where} has a content part {number} {said}: draftsmith reads text parts only")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def normalize_turn(turn: Any, where: str) -> dict[str, Any]:
     """One raw turn (`role` and `content`, or ShareGPT's `from` and `value`) checked and normalized; `where`
     names it in an error (`FILE record 3: turn 2`). Arrow gives every turn all fields of its file, None for
@@ -77,6 +91,8 @@ def normalize_turn(turn: Any, where: str) -> dict[str, Any]:
         content = ""
     if content is None:
         raise UserError(f"{where} has no content ('content', or ShareGPT 'value')")
+    if isinstance(content, list):  # OpenAI's content parts, as request logs hold them
+        content = text_of_parts(content, where)
     if not isinstance(content, str):
         raise UserError(f"{where} has a content of type {type(content).__name__}, expected a string")
     if not content.strip() and not tool_calls:

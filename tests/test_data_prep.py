@@ -775,6 +775,24 @@ def test_bad_records_name_file_and_record(tmp_path, lines, message):
     assert "\n" not in str(caught.value)
 
 
+def test_openai_content_parts_are_read_as_their_texts_and_other_parts_refused(tmp_path):
+    """Request logs hold OpenAI's content parts (a load sweep's journey, 2026-12-08: "a content of type list,
+    expected a string"): text parts joined by newlines, as vLLM's chat API joins them, beside plain contents in the
+    same file; an image part, or a part that is no object, is one line naming the record, turn and part."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    path = write_jsonl(tmp_path / "parts.jsonl", [{"messages": [{"role": "user", "content": parts}, ASSISTANT]}, GOOD])
+    assert [turn["content"] for turn in load_conversations([str(path)])["messages"][0]] == ["Hello\nthere", "Hello!"]
+    for part, said in (
+        ({"type": "image_url", "image_url": {"url": "x"}}, "of type 'image_url'"),
+        ("hi", "that is not"),
+    ):
+        path = write_jsonl(
+            tmp_path / "image.jsonl", [GOOD, {"messages": [{"role": "user", "content": [part]}, ASSISTANT]}]
+        )
+        with pytest.raises(UserError, match=rf"image\.jsonl record 2: turn 1 has a content part 1 {said}.*text parts"):
+            load_conversations([str(path)])
+
+
 @pytest.mark.parametrize(
     "name, content, line",
     [("null.jsonl", b"null\n", 1), ("first.jsonl", b'\xef\xbb\xbf\n  null\n{"messages": []}\n', 2),
