@@ -5,13 +5,20 @@ which serves the export in vLLM to take them): the export and the benchmarks rea
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from draftsmith.engines import NGRAM, SUFFIX
 from draftsmith.errors import UserError, one_line
 
+log = logging.getLogger("draftsmith.export")
+# A free method drafts with no forward of its own, so a step verifying its γ drafts costs at most about γ + 1 plain
+# steps, and its rate is at least about τ / (γ + 1) of plain's; a level below this share of that bound was slowed by
+# other work on the cores (a journey, 2026-12-08: n-gram at 0.06× plain, τ about 1.3, beside another job)
+DISTURBED_SHARE = 0.5
 ROWS = "sweep.jsonl"  # the rows a sweep writes (export/sweep.py), one JSON object a line
 PLAIN = "plain"
 PLAIN_AGAIN = "plain-rerun"  # plain measured a second time in the same sweep: its noise
@@ -128,7 +135,8 @@ def summarize(
     (`beats_plain`: false, serve plain there) and whether that speed-up is within the sweep's `noise` of 1
     (`within_noise`: then neither reading holds), and the crossover (the concurrency from which on even the best γ
     never beats plain: a curve that dips and recovers has none); the drafter loaded at γ 0 over plain; plain's
-    second run over its first, and whether every row was lossless. γ 0 is never a best γ: it is the drafter loaded
+    second run over its first, whether every row was lossless, and the free methods' rows slower than drafting with
+    no forward can be (`disturbed`: DISTURBED_SHARE, said in a warning). γ 0 is never a best γ: it is the drafter loaded
     drafting nothing, plain serving at the drafter's engine settings, not a speculation setting to serve."""
     levels = sorted({r["concurrency"] for r in rows})
     first = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == PLAIN}
@@ -159,6 +167,17 @@ def summarize(
         for method in methods
         if any(r["method"] == method and r["gamma"] == 0 for r in rows)
     }
+    disturbed = [
+        f"{r['method']} at γ {r['gamma']}, c={r['concurrency']} ({r['speedup']:.2f}× plain at τ {r['tau']:.2f})"
+        for r in rows
+        if r["method"] in (NGRAM, SUFFIX) and r.get("speedup") and r.get("tau")
+        and r["speedup"] < DISTURBED_SHARE * r["tau"] / (r["gamma"] + 1)
+    ]  # fmt: skip
+    if disturbed:
+        log.warning(
+            "load sweep: %s ran far slower than a method drafting with no forward can (τ / (γ + 1) of plain at "
+            "least): timings disturbed by other work on the cores; measure again on idle ones", "; ".join(disturbed)
+        )  # fmt: skip
     lossless = {
         m: all(r["lossless"] for r in rows if r["method"] == m and r["lossless"] is not None)
         for m in {r["method"] for r in rows}
@@ -168,6 +187,7 @@ def summarize(
         "best_per_concurrency": best,
         "crossover": crossover,
         "noise": None if noise is None else round(noise, 4),
+        "disturbed": disturbed,
         "loaded_at_gamma_0": loaded_at_gamma_0,
         "lossless": lossless,
         "plain_rerun_over_plain": {c: round(again[c] / first[c], 4) for c in levels if c in again and c in first},

@@ -59,6 +59,19 @@ def test_a_speed_up_within_the_sweeps_noise_is_flagged_and_a_curve_that_recovers
     assert summarize(rows[:3] + rows[4:], ["d"])["best_per_concurrency"]["d"][2]["within_noise"] is None  # no rerun
 
 
+def test_a_free_method_slower_than_drafting_with_no_forward_can_be_is_said_to_be_disturbed(caplog):
+    """A load sweep's journey (2026-12-08): beside another job n-gram measured 0.06× plain at τ about 1.3 (its p50
+    time per token 174 ms against plain's 8.3), and the summary called 4 its crossover. A method with no draft
+    forward verifies γ + 1 tokens a step, at least about τ / (γ + 1) of plain's rate: a row below half that is
+    named, and warned of, as disturbed timings; one at 0.9× is not, nor the drafter's (its forwards cost more)."""
+    rows = [row("plain", 0, c, 1.0) for c in (1, 8)] + [row("ngram", 1, 1, 0.9), row("ngram", 2, 8, 0.06)]
+    rows += [row("suffix", 24, 1, 0.05), row("d", 3, 8, 0.06)]  # suffix: 1.5 / 25 / 2 = 0.03, so 0.05 is not
+    with caplog.at_level("WARNING"):
+        disturbed = summarize(rows, ["ngram", "suffix", "d"])["disturbed"]
+    assert disturbed == ["ngram at γ 2, c=8 (0.06× plain at τ 1.50)"]
+    assert "timings disturbed by other work on the cores; measure again on idle ones" in caplog.text
+
+
 @pytest.mark.parametrize("folder", ["", "2026-11-27", "smollm2-eagle3.1-h200", "suffix_avx2_2026-11-29"])
 def test_the_committed_load_sweeps_summaries_are_their_rows(folder):
     """The committed summary.json is `summarize` of its own committed sweep.jsonl (regenerated, not re-measured)."""
