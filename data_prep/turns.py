@@ -66,10 +66,11 @@ def text_of_parts(parts: list, where: str) -> str:
     texts = []
     for number, part in enumerate(parts, 1):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            said = f"of type {kind!r}" if kind else "that is not a {'type': 'text', 'text': ...} object"
-            raise UserError(f"{where} has a content part {number} {said}: draftsmith reads text parts only")
-        texts.append(part["text"])
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+            continue
+        said = f"of type {kind!r}" if kind not in (None, "text") else "that is not {'type': 'text', 'text': str}"
+        raise UserError(f"{where} has a content part {number} {said}: draftsmith reads text parts only")
     return "\n".join(texts)
 
 

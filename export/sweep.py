@@ -76,7 +76,7 @@ from draftsmith.export.sweep_checks import (
     require_same_load,
     varied_drafts,
 )
-from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, ROWS, found, plot, read_sweep, summarize
+from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, ROWS, findings_line, plot, read_sweep, summarize
 from draftsmith.files import append_lines, read_json
 from draftsmith.formats.repo import EXPORT_INFO, target_arguments
 
@@ -317,7 +317,7 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
         }
         write_text_atomic(output / SUMMARY, json.dumps(summary, indent=2) + "\n")
         plot(summary["best_per_concurrency"], predicted, output / PLOT, summary["gammas"])
-    log.info("load sweep of %s: %s: %s, %s", checkpoint, found(summary, method), path, output / SUMMARY)
+    log.info("load sweep of %s: %s: %s, %s", checkpoint, findings_line(summary, method), path, output / SUMMARY)
     return path
 
 

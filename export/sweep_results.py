@@ -243,7 +243,7 @@ def plot(
     plt.close(figure)
 
 
-def found(summary: dict[str, Any], method: str) -> str:
+def findings_line(summary: dict[str, Any], method: str) -> str:
     """What a sweep found, for its log line (not only its files): the drafter's best speed-up over plain at each
     concurrency, and the γ per batch size it gives (or none)."""
     best = summary["best_per_concurrency"].get(method, {})
